@@ -1,0 +1,5 @@
+import sys
+
+from hpcrl.cli import main
+
+sys.exit(main())

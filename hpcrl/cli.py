@@ -1,0 +1,121 @@
+"""`hpcrl` command line: validate, render and submit job specs."""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from hpcrl import __version__
+from hpcrl.spec import SpecError, load_spec
+
+
+def _load(args):
+    spec = load_spec(args.spec, run_dir=args.run_dir)
+    return spec, spec.to_hetjob(python=shlex.quote(sys.executable))
+
+
+def _live_problems(job, offline: bool):
+    """(cluster info or None, problems) — no cluster is read with --offline."""
+    if offline:
+        return None, []
+    from hpcrl.slurm.cluster import ClusterInfo
+
+    info = ClusterInfo.live()
+    return info, info.check(job)
+
+
+def cmd_validate(args) -> int:
+    from hpcrl.slurm.cluster import format_table
+
+    _, job = _load(args)
+    info, problems = _live_problems(job, args.offline)
+    if problems:
+        raise SpecError(problems, args.spec)
+    print(f"OK: {args.spec} ({'offline, cluster not checked' if info is None else 'checked against the live cluster'})")
+    from hpcrl.slurm.cluster import ClusterInfo
+
+    print(format_table((info or ClusterInfo({}, {})).summary(job)))
+    return 0
+
+
+def cmd_render(args) -> int:
+    from hpcrl.slurm.render import render_hetjob
+
+    _, job = _load(args)
+    _, problems = _live_problems(job, args.offline)
+    if problems:
+        raise SpecError(problems, args.spec)
+    sys.stdout.write(render_hetjob(job))
+    return 0
+
+
+def cmd_submit(args) -> int:
+    from hpcrl.slurm.submit import submit_hetjob
+
+    spec, job = _load(args)
+    handle = submit_hetjob(job, args.via, resume=args.resume, spec_data=spec.model_dump(mode="json"),
+                           dry_run=args.dry_run)
+    if args.dry_run:
+        sys.stdout.write(handle)
+        return 0
+    print(f"submitted job {handle.job_id} via {args.via}; run dir {handle.run_dir}", flush=True)
+    if not args.wait:
+        return 0
+    t0 = time.monotonic()
+    roles = {i: ",".join(r for r, c in handle.members.items() if c == i) for i in set(handle.members.values())}
+
+    def show(states):
+        line = "  ".join(f"{i}:{roles.get(i, '?')}={s}" for i, s in sorted(states.items()))
+        print(f"[{time.monotonic() - t0:7.1f}s] job {handle.job_id}: {line}", flush=True)
+
+    states = handle.wait(on_change=show)
+    if handle.submitit_job is not None and states.get(0) == "COMPLETED":
+        print(f"result: {handle.result()}")
+    return 0 if all(s == "COMPLETED" for s in states.values()) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hpcrl", description="Slurm-native multi-controller RLHF (PPO).")
+    p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def spec_cmd(name, help_):
+        c = sub.add_parser(name, help=help_, description=help_)
+        c.add_argument("spec", help="job spec (YAML)")
+        c.add_argument("--run-dir", help="run directory (overrides the spec's run_dir)")
+        return c
+
+    c = spec_cmd("validate", "check a spec, and by default the live cluster; print a per-component table")
+    c.add_argument("--offline", action="store_true", help="skip the live cluster check (no Slurm needed)")
+    c.set_defaults(fn=cmd_validate)
+    c = spec_cmd("render", "print the heterogeneous sbatch script of a spec, without submitting")
+    c.add_argument("--offline", action="store_true", help="skip the live cluster check (no Slurm needed)")
+    c.set_defaults(fn=cmd_render)
+    c = spec_cmd("submit", "validate against the live cluster and submit one heterogeneous job")
+    c.add_argument("--via", choices=["sbatch", "submitit"], default="sbatch",
+                   help="sbatch (default), or submitit (a pickled Python function in component 0)")
+    c.add_argument("--wait", action="store_true", help="follow the job's state until it ends; exit 0 if it completed")
+    c.add_argument("--dry-run", action="store_true", help="validate and print the script; submit nothing")
+    c.add_argument("--resume", action="store_true", help="continue the run in an existing run directory")
+    c.set_defaults(fn=cmd_submit)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from hpcrl.slurm.cluster import SlurmCommandError
+    from hpcrl.slurm.submit import SubmitError
+
+    try:
+        return args.fn(args)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (SubmitError, SlurmCommandError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

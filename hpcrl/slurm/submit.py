@@ -1,0 +1,242 @@
+"""Submit a HetJob with `sbatch`, or as a submitit job running a Python function.
+
+Both paths write the same script (`render_hetjob`) into the run directory and return a JobHandle.
+submitit cannot write heterogeneous jobs (facebookincubator/submitit#1741); `HetjobExecutor`
+subclasses its SlurmExecutor and overrides only the submission text, so pickling, result(),
+stdout()/stderr() and Checkpointable requeue stay submitit's. Tested with submitit 1.5.x.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import submitit
+import yaml
+from submitit.core import utils as submitit_utils
+from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
+
+from hpcrl.slurm.cluster import ClusterInfo, SlurmCommandError, parse_records, slurm_cmd
+from hpcrl.slurm.job import HetJob
+from hpcrl.slurm.render import render_hetjob
+from hpcrl.util import atomic_write_text
+
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+            "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"}
+LIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
+        "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
+
+
+class SubmitError(RuntimeError):
+    pass
+
+
+def component_states(job_id: str) -> dict[int, str]:
+    """Component index -> Slurm state. slurmctld first (current), accounting once it forgot the job."""
+    try:
+        recs = parse_records(slurm_cmd("scontrol", "show", "job", "-o", job_id))
+        return {int(r.get("HetJobOffset", 0)): r["JobState"] for r in recs}
+    except SlurmCommandError:
+        pass
+    out = slurm_cmd("sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State")
+    states = {}
+    for line in out.splitlines():
+        jid, _, state = line.partition("|")
+        base, _, offset = jid.partition("+")
+        if base == job_id:
+            states[int(offset or 0)] = state.split()[0]  # "CANCELLED by 0" -> CANCELLED
+    if not states:
+        raise SubmitError(f"job {job_id} is unknown to slurmctld and to accounting")
+    return states
+
+
+class JobHandle:
+    """A submitted hetjob: `job_id` (the leader), `state()` per component, `wait()`, `cancel()`,
+    `logs(role)`, and `result()` when it was submitted through submitit."""
+
+    def __init__(self, job_id: str, run_dir: Path, members: dict[str, int], submitit_job=None):
+        self.job_id = job_id
+        self.run_dir = Path(run_dir)
+        self.members = members
+        self.submitit_job = submitit_job
+
+    def __repr__(self) -> str:
+        return f"JobHandle(job_id={self.job_id!r}, run_dir={str(self.run_dir)!r})"
+
+    def state(self) -> dict[int, str]:
+        return component_states(self.job_id)
+
+    def role_state(self, role: str) -> str:
+        return self.state()[self.members[role]]
+
+    def done(self) -> bool:
+        return all(s in TERMINAL for s in self.state().values())
+
+    def wait(self, timeout: float | None = None, poll_s: float = 1.0,
+             on_change: Callable[[dict[int, str]], None] | None = None) -> dict[int, str]:
+        """Block until every component reached a final state; returns the states."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        last = None
+        while True:
+            states = self.state()
+            if states != last and on_change is not None:
+                on_change(states)
+            last = states
+            if all(s in TERMINAL for s in states.values()):
+                return states
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job_id} still {states} after {timeout}s")
+            time.sleep(poll_s)
+
+    def cancel(self) -> None:
+        slurm_cmd("scancel", self.job_id)
+
+    def result(self) -> Any:
+        if self.submitit_job is None:
+            raise SubmitError("result() needs a job submitted with via='submitit'")
+        return self.submitit_job.result()
+
+    def logs(self, role: str | None = None) -> str:
+        """The Slurm output of the job, or the logs of one role (every file under logs/<role>/)."""
+        if role is None:
+            files = sorted((self.run_dir / "logs").glob(f"slurm-{self.job_id}.out"))
+        else:
+            if role not in self.members:
+                raise KeyError(f"no role {role!r} in this job (roles: {', '.join(self.members)})")
+            files = sorted((self.run_dir / "logs" / role).glob("*.log"))
+        return "".join(f.read_text(errors="replace") for f in files)
+
+
+# ------------------------------------------------------------------ run directory guard
+def _recorded_job(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "job.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """Never two live jobs in one run directory, never a silent restart over an earlier run."""
+    rec = _recorded_job(run_dir)
+    if rec is not None:
+        try:
+            states = component_states(rec["job_id"])
+        except (SubmitError, SlurmCommandError):
+            states = {}
+        if any(s in LIVE for s in states.values()):
+            raise SubmitError(f"{run_dir} belongs to job {rec['job_id']}, which is still "
+                              f"{sorted(set(states.values()))}: wait for it, `scancel {rec['job_id']}`, "
+                              "or choose another --run-dir")
+    earlier = rec is not None or (run_dir / "ckpt").exists()
+    if earlier and not resume:
+        raise SubmitError(f"{run_dir} holds an earlier run (job.json or ckpt/): pass --resume to continue it, "
+                          "or choose another --run-dir; nothing there is overwritten")
+
+
+def prepare_run_dir(job: HetJob, spec_data: dict | None, script: str) -> Path:
+    run_dir = job.run_dir
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if spec_data is not None:
+        atomic_write_text(run_dir / "spec.yaml", yaml.safe_dump(spec_data, sort_keys=False))
+    script_path = run_dir / "job.sbatch"
+    atomic_write_text(script_path, script)
+    script_path.chmod(0o755)
+    return script_path
+
+
+def record_job(job: HetJob, job_id: str, via: str) -> None:
+    atomic_write_text(job.run_dir / "job.json", json.dumps(
+        {"job_id": job_id, "via": via, "name": job.name, "submitted_at": time.time(),
+         "members": job.members()}, indent=1))
+
+
+# ------------------------------------------------------------------ submitit path
+class HetjobSubmititWatcher(SlurmInfoWatcher):
+    """sacct names hetjob components `<leader>+<offset>`; submitit looks for `<leader>`.
+    Component 0 runs the function, so its state is the job's state."""
+
+    def read_info(self, string):
+        info = super().read_info(string)
+        return {k.removesuffix("+0"): v for k, v in info.items() if "+" not in k or k.endswith("+0")}
+
+
+class HetjobSubmititJob(SlurmJob):
+    watcher = HetjobSubmititWatcher(delay_s=600)
+
+
+class HetjobExecutor(submitit.SlurmExecutor):
+    """A submitit executor whose jobs are hpcrl hetjobs: the function runs as one task in
+    component 0, after every component has recorded its nodes."""
+
+    job_class = HetjobSubmititJob
+
+    def __init__(self, job: HetJob, folder: str | Path | None = None, max_num_timeout: int = 3):
+        super().__init__(folder or job.run_dir / "submitit", max_num_timeout=max_num_timeout,
+                         python=job.python)
+        self.hetjob = job
+        # submitit tells a timeout from a preemption by the job's time limit
+        t0 = job.components[0].time_min
+        if t0 is not None:
+            self.parameters["time"] = t0
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        paths = submitit_utils.JobPaths(self.folder)
+        srun = ["srun", "--het-group=0", "--nodes=1", "--ntasks=1", "--unbuffered",
+                "--output", str(paths.stdout), "--error", str(paths.stderr)]
+        payload = "\n".join(["# the submitted Python function (submitit)", "export SUBMITIT_EXECUTOR=slurm",
+                             " ".join(shlex.quote(a) for a in srun) + " " + command])
+        # submitit's own handler requeues on USR2 delivered to the step (no B:)
+        script = render_hetjob(self.hetjob, payload=payload, signal=f"USR2@{self.hetjob.signal_lead_s}")
+        prepare_run_dir(self.hetjob, None, script)
+        return script
+
+    def _num_tasks(self) -> int:
+        return 1
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        return ["sbatch", str(submission_file_path)]
+
+
+# ------------------------------------------------------------------ entry point
+def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, check_cluster: bool = True,
+                  spec_data: dict | None = None, fn: Callable | None = None, args: tuple = (),
+                  dry_run: bool = False) -> JobHandle | str:
+    """Validate against the live cluster, write the run directory, submit. With dry_run, return the
+    script instead of submitting. Nothing is written or submitted when a check fails."""
+    if via not in ("sbatch", "submitit"):
+        raise SubmitError(f"via must be 'sbatch' or 'submitit', got {via!r}")
+    if check_cluster:
+        problems = ClusterInfo.live().check(job)
+        if problems:
+            from hpcrl.spec import SpecError
+            raise SpecError(problems, job.source_file or job.name)
+    if dry_run:
+        return render_hetjob(job)
+    check_run_dir(job.run_dir, resume)
+    if via == "submitit":
+        from hpcrl.slurm.allocation import read_allocation
+
+        if spec_data is not None:
+            (job.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            atomic_write_text(job.run_dir / "spec.yaml", yaml.safe_dump(spec_data, sort_keys=False))
+        sjob = HetjobExecutor(job).submit(fn or read_allocation, *(args if fn else (str(job.run_dir),)))
+        record_job(job, sjob.job_id, via)
+        return JobHandle(sjob.job_id, job.run_dir, job.members(), submitit_job=sjob)
+    script_path = prepare_run_dir(job, spec_data, render_hetjob(job))
+    try:
+        out = slurm_cmd("sbatch", "--parsable", str(script_path))
+    except SlurmCommandError as e:
+        raise SubmitError(str(e)) from None
+    job_id = out.strip().split(";")[0]
+    record_job(job, job_id, via)
+    return JobHandle(job_id, job.run_dir, job.members())
+
+
+def submit(spec, via: str = "sbatch", **kw) -> JobHandle:
+    """Submit a JobSpec (see `hpcrl.load_spec`) as one heterogeneous job; returns its JobHandle."""
+    job = spec.to_hetjob(python=shlex.quote(sys.executable))
+    return submit_hetjob(job, via, spec_data=spec.model_dump(mode="json"), **kw)

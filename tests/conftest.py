@@ -1,0 +1,61 @@
+"""Fixtures on the real local Slurm cluster (slurm/cluster)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CLUSTER = ROOT / "slurm" / "cluster"
+
+
+def _cluster(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CLUSTER), *args], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """Brings the cluster up once per session; takes it down only if this session started it."""
+    was_up = _cluster("status").returncode == 0
+    up = _cluster("up", "--timeout", "120")
+    if up.returncode != 0:
+        pytest.fail(f"slurm/cluster up failed:\n{up.stdout}\n{up.stderr}")
+    conf = _cluster("env").stdout.strip().split("=", 1)[1]
+    os.environ["SLURM_CONF"] = conf
+    yield conf
+    if not was_up:
+        _cluster("down")
+
+
+def sh(*args: str, check: bool = True) -> str:
+    out = subprocess.run(args, capture_output=True, text=True)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return out.stdout
+
+
+def wait_until(cond, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def job_records(job_id: str) -> list[dict]:
+    from hpcrl.slurm.cluster import parse_records
+
+    return parse_records(sh("scontrol", "show", "job", "-o", job_id))
+
+
+def job_finished(job_id: str) -> bool:
+    return all(r["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") for r in job_records(job_id))
+
+
+def queue_ids() -> set[str]:
+    return set(sh("squeue", "-h", "-o", "%i").split())

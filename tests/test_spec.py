@@ -1,0 +1,81 @@
+"""Job spec parsing and its errors (pure logic: no cluster)."""
+import pytest
+
+from hpcrl.slurm.job import Gres, parse_mem_mb, parse_time_minutes
+from hpcrl.spec import SpecError, load_spec, parse_spec
+
+GOOD = {"name": "t", "run_dir": "/tmp/x",
+        "roles": {"actor_rollout": {"partition": "a100", "gpus_per_node": 1, "gpu_type": "a100"},
+                  "critic": {"partition": "h100"}, "ref": {"partition": "cpu"},
+                  "reward": {"same_nodes_as": "ref"}}}
+
+
+@pytest.mark.parametrize("text,minutes", [("30", 30), ("1:30", 2), ("02:00:00", 120), ("1-00", 1440),
+                                          ("1-02:30", 1590), ("2-00:00:01", 2881)])
+def test_slurm_time_syntax(text, minutes):
+    assert parse_time_minutes(text) == minutes
+
+
+@pytest.mark.parametrize("text,mb", [("512", 512), ("512M", 512), ("4G", 4096), ("1.5G", 1536), ("1T", 1048576)])
+def test_memory_syntax(text, mb):
+    assert parse_mem_mb(text) == mb
+
+
+def test_gres_syntax():
+    assert Gres.parse("gpu:a100:4") == Gres("gpu", "a100", 4)
+    assert Gres.parse("gpu:2(S:0-1)") == Gres("gpu", None, 2)
+    with pytest.raises(ValueError):
+        Gres.parse("gpu:a100:x")
+
+
+def test_components_group_roles_in_spec_order():
+    spec = parse_spec(GOOD)
+    assert spec.component_roles() == [["actor_rollout"], ["critic"], ["ref", "reward"]]
+    job = spec.to_hetjob(python="python3")
+    assert [c.partition for c in job.components] == ["a100", "h100", "cpu"]
+    assert job.members() == {"actor_rollout": 0, "critic": 1, "ref": 2, "reward": 2}
+    assert str(job.components[0].gres) == "gpu:a100:1" and job.components[2].gres is None
+
+
+def bad(**roles_patch):
+    data = {**GOOD, "roles": {**GOOD["roles"], **roles_patch}}
+    with pytest.raises(SpecError) as e:
+        parse_spec(data)
+    return str(e.value)
+
+
+def test_every_problem_is_listed_with_its_field_path():
+    msg = bad(critic={"partition": "h100", "nodes": 0, "gpus": 2, "time": "soon"})
+    assert "roles.critic.nodes" in msg and "roles.critic.gpus: unknown field" in msg
+    assert "roles.critic.time" in msg and "HH:MM:SS" in msg
+
+
+def test_cross_field_problems():
+    assert "roles.reward.same_nodes_as: unknown role 'nobody'" in bad(reward={"same_nodes_as": "nobody"})
+    assert "drop them" in bad(reward={"same_nodes_as": "ref", "partition": "cpu"})
+    assert "roles.critic.partition: missing" in bad(critic={"nodes": 1})
+    assert "cycle" in bad(ref={"same_nodes_as": "reward"}, reward={"same_nodes_as": "ref"})
+    assert "roles.critic.gres: given together" in bad(critic={"partition": "h100", "gres": "gpu:h100:1",
+                                                               "gpus_per_node": 1})
+
+
+def test_unknown_top_level_field_and_wrong_yaml(tmp_path):
+    with pytest.raises(SpecError, match=r"requeu: unknown field \(valid fields: name, run_dir"):
+        parse_spec({**GOOD, "requeu": True})
+    f = tmp_path / "s.yaml"
+    f.write_text("name: t\nroles: [a, b\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(f)
+
+
+def test_duplicate_role_is_an_error_not_an_override(tmp_path):
+    f = tmp_path / "s.yaml"
+    f.write_text("name: t\nrun_dir: /tmp/x\nroles:\n  critic: {partition: h100}\n  critic: {partition: a100}\n")
+    with pytest.raises(SpecError, match="duplicate key 'critic'"):
+        load_spec(f)
+
+
+def test_run_dir_override_and_relative_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_spec({**GOOD, "run_dir": "runs/a"}).run_dir == tmp_path / "runs" / "a"
+    assert parse_spec(GOOD, run_dir="other").run_dir == tmp_path / "other"

@@ -1,0 +1,137 @@
+"""Spec -> live validation -> hetjob on the real local cluster, by sbatch and by submitit."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import hpcrl
+from hpcrl.slurm.submit import SubmitError
+from conftest import ROOT, job_records, queue_ids
+
+pytestmark = pytest.mark.slurm
+TINY = ROOT / "jobs" / "tiny-cpu.yaml"
+
+
+def spec_file(tmp_path, patch_roles=None, **top):
+    data = yaml.safe_load(TINY.read_text())
+    data.update(top)
+    for role, fields in (patch_roles or {}).items():
+        data["roles"][role] = {**data["roles"].get(role, {}), **fields}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def check_components(job_id, expected=("a100", "h100", "cpu")):
+    recs = {int(r["HetJobOffset"]): r for r in job_records(job_id)}
+    assert [recs[i]["Partition"] for i in range(len(expected))] == list(expected)
+    for i, part in enumerate(expected):
+        assert recs[i]["JobState"] == "COMPLETED"
+        assert recs[i]["NodeList"].startswith({"a100": "a100n", "h100": "h100n", "cpu": "cpun"}[part])
+    return recs
+
+
+def test_sbatch_path_places_each_role_on_its_partition(slurm_cluster, tmp_path):
+    job = hpcrl.submit(hpcrl.load_spec(TINY, run_dir=tmp_path / "run"), via="sbatch")
+    states = job.wait(timeout=60)
+    assert states == {0: "COMPLETED", 1: "COMPLETED", 2: "COMPLETED"}
+    recs = check_components(job.job_id)
+    alloc = json.loads((tmp_path / "run" / "allocation.json").read_text())
+    assert alloc["members"] == {"actor_rollout": 0, "critic": 1, "ref": 2, "reward": 2}
+    for i, comp in enumerate(alloc["components"]):
+        assert [n["name"] for n in comp["nodes"]] == [recs[i]["NodeList"]]
+        assert comp["nodes"][0]["addr"].startswith("127.0.0.")
+    # each component's step saw only its own GPUs (the batch shell's leak nowhere)
+    assert [c["nodes"][0]["gpus"] for c in alloc["components"]] == ["0", "0", ""]
+    assert (tmp_path / "run" / "job.sbatch").read_text().count("#SBATCH hetjob") == 2
+    assert "component 2 (ref,reward) on cpu" in job.logs()
+
+
+def where_am_i(x):
+    return {"partition": os.environ["SLURM_JOB_PARTITION"], "node": os.environ["SLURMD_NODENAME"],
+            "answer": x * 2, "allocation": json.loads(
+                (Path(os.environ["HPCRL_RUN_DIR"]) / "allocation.json").read_text())["members"]}
+
+
+def test_submitit_path_returns_the_function_result(slurm_cluster, tmp_path):
+    import cloudpickle
+
+    from hpcrl.slurm.submit import HetjobExecutor
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in the job
+
+    spec = hpcrl.load_spec(TINY, run_dir=tmp_path / "run")
+    sjob = HetjobExecutor(spec.to_hetjob(python=sys.executable)).submit(where_am_i, 21)
+    result = sjob.result()
+    assert result["partition"] == "a100" and result["node"].startswith("a100n") and result["answer"] == 42
+    assert result["allocation"]["critic"] == 1
+    assert sjob.state == "COMPLETED"  # sacct's hetjob components read through our watcher
+    check_components(sjob.job_id)
+
+
+def test_submitit_via_cli(slurm_cluster, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(TINY), "--via", "submitit", "--wait",
+                          "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "result: {'job_id'" in out.stdout and "COMPLETED" in out.stdout
+
+
+@pytest.mark.parametrize("patch,top,field", [
+    ({"critic": {"partition": "v100"}}, {}, "roles.critic.partition: no partition 'v100'"),
+    ({"critic": {"gpu_type": "a100"}}, {}, "roles.critic: gres gpu:a100:1 per node on 1 node(s) is not available"),
+    ({"actor_rollout": {"nodes": 3}}, {}, "roles.actor_rollout.nodes: 3 nodes asked"),
+    ({"ref": {"time": "05:00:00"}}, {}, "roles.ref.time: 05:00:00 is over partition 'cpu' MaxTime 04:00:00"),
+    ({"ref": {"mem": "64G"}}, {}, "roles.ref.mem"),
+    ({"critic": {"gpu": 1}}, {}, "roles.critic.gpu: unknown field"),
+    ({}, {"requeue": "sometimes"}, "requeue: Input should be a valid boolean"),
+])
+def test_bad_specs_are_rejected_before_anything_is_submitted(slurm_cluster, tmp_path, patch, top, field):
+    path = spec_file(tmp_path, patch, **top)
+    before = queue_ids()
+    for cmd in (["validate"], ["submit"], ["submit", "--via", "submitit"]):
+        out = subprocess.run([sys.executable, "-m", "hpcrl", *cmd, str(path), "--run-dir", str(tmp_path / "run")],
+                             capture_output=True, text=True)
+        assert out.returncode == 2, out
+        assert field in out.stderr, out.stderr
+    assert queue_ids() == before
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("text,field", [
+    ("name: t\nrun_dir: /tmp/x\nroles:\n  critic: {partition: h100}\n  critic: {partition: a100}\n",
+     "duplicate key 'critic'"),
+    ("name: t\nroles: [a, b\n", "not valid YAML"),
+])
+def test_malformed_files_are_rejected(slurm_cluster, tmp_path, text, field):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    before = queue_ids()
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(path)], capture_output=True, text=True)
+    assert out.returncode == 2 and field in out.stderr
+    assert queue_ids() == before
+
+
+def test_run_dir_is_never_reused_silently(slurm_cluster, tmp_path):
+    spec = hpcrl.load_spec(spec_file(tmp_path, {"actor_rollout": {"sbatch_extra": ["--begin=now+600"]}}),
+                           run_dir=tmp_path / "run")
+    pending = hpcrl.submit(spec)
+    try:
+        assert set(pending.state().values()) == {"PENDING"}
+        with pytest.raises(SubmitError, match=f"still .*PENDING.*scancel {pending.job_id}"):
+            hpcrl.submit(spec, resume=True)
+    finally:
+        pending.cancel()
+    pending.wait(timeout=30)
+    (tmp_path / "run" / "ckpt").mkdir()
+    (tmp_path / "run" / "ckpt" / "keep").write_text("precious")
+    with pytest.raises(SubmitError, match="pass --resume"):
+        hpcrl.submit(spec)
+    shutil.rmtree(tmp_path / "run" / "logs")
+    again = hpcrl.submit(spec, resume=True)
+    again.cancel()
+    assert (tmp_path / "run" / "ckpt" / "keep").read_text() == "precious"
