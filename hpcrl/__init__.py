@@ -8,5 +8,6 @@ __version__ = "0.1.0"
 
 from hpcrl.spec import JobSpec, SpecError, load_spec  # noqa: E402
 from hpcrl.slurm.submit import JobHandle, submit  # noqa: E402
+from hpcrl.raycluster import connect  # noqa: E402
 
-__all__ = ["JobSpec", "SpecError", "load_spec", "submit", "JobHandle", "__version__"]
+__all__ = ["JobSpec", "SpecError", "load_spec", "submit", "JobHandle", "connect", "__version__"]

@@ -75,6 +75,38 @@ def cmd_submit(args) -> int:
     return 0 if all(s == "COMPLETED" for s in states.values()) else 1
 
 
+def cmd_status(args) -> int:
+    """From the run directory's files and Slurm only: no Ray connection from the login node."""
+    import json
+    from pathlib import Path
+
+    from hpcrl.slurm.submit import SubmitError, component_states
+
+    run_dir = Path(args.run_dir)
+    try:
+        rec = json.loads((run_dir / "job.json").read_text())
+    except OSError:
+        raise SubmitError(f"{run_dir} has no job.json: not a run directory of a submitted job") from None
+    try:
+        states = component_states(rec["job_id"])
+    except SubmitError as e:
+        states = {}
+        print(f"job {rec['job_id']}: {e}")
+    alloc_path, cluster_path = run_dir / "allocation.json", run_dir / "ray" / "cluster.json"
+    alloc = json.loads(alloc_path.read_text()) if alloc_path.exists() else None
+    cluster = json.loads(cluster_path.read_text()) if cluster_path.exists() else None
+    print(f"job {rec['job_id']} ({rec['name']}, via {rec['via']})"
+          + (f", restarts {alloc['restart_count']}" if alloc else ""))
+    for role, comp in rec["members"].items():
+        nodes = [n for n in (cluster or {}).get("nodes", []) if n["component"] == comp]
+        where = " ".join(f"{n['name']}@{n['addr']}" + ("(head)" if cluster["head"]["name"] == n["name"] else "")
+                         for n in nodes) or "not started"
+        print(f"  {role:16s} component {comp}  {states.get(comp, '?'):10s} ray nodes: {where}")
+    if cluster:
+        print(f"  ray: {cluster['address']}, token {run_dir / 'ray' / 'token'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpcrl", description="Slurm-native multi-controller RLHF (PPO).")
     p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
@@ -99,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dry-run", action="store_true", help="validate and print the script; submit nothing")
     c.add_argument("--resume", action="store_true", help="continue the run in an existing run directory")
     c.set_defaults(fn=cmd_submit)
+    c = sub.add_parser("status", help="a run's Slurm state per component and its Ray nodes by role")
+    c.add_argument("run_dir", help="run directory of a submitted job")
+    c.set_defaults(fn=cmd_status)
     return p
 
 

@@ -118,6 +118,8 @@ class JobSpec(BaseModel):
     every 30 s, so keep this at 60 or more."""
     max_restarts: int = Field(3, ge=0)
     """Requeue at most this many times."""
+    ray_start_timeout: int = Field(180, ge=5)
+    """Seconds for every node's Ray to join before the job fails, naming the missing nodes."""
     setup: list[str] = Field(default_factory=list)
     """Shell lines run before anything else in the batch script (module load, venv activation)."""
     python: str | None = None
@@ -165,6 +167,7 @@ class JobSpec(BaseModel):
                 members=members, source=f"roles.{members[0]}"))
         return HetJob(name=self.name, run_dir=self.run_dir, components=comps, requeue=self.requeue,
                       signal_lead_s=self.signal_lead, setup=list(self.setup), python=self.python or python,
+                      env={"HPCRL_RAY_START_TIMEOUT": str(self.ray_start_timeout)},
                       source_file=self._source)
 
 

@@ -32,3 +32,13 @@ def test_script_structure():
     job.requeue = False
     no_requeue = render_hetjob(job)
     assert "#SBATCH --no-requeue" in no_requeue and "--signal" not in no_requeue
+
+
+def test_a_single_component_job_is_not_a_hetjob():
+    from hpcrl.spec import parse_spec
+
+    job = parse_spec({"name": "one", "run_dir": "/tmp/one", "roles": {"actor_rollout": {"partition": "a100"}}}) \
+        .to_hetjob(python="python3")
+    text = render_hetjob(job)
+    assert "#SBATCH hetjob" not in text and "--het-group" not in text  # srun refuses it outside a hetjob
+    assert "srun --nodes=1 --ntasks-per-node=1 --overlap python3 -m hpcrl.raycluster node" in text

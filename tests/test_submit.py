@@ -1,6 +1,7 @@
 """Spec -> live validation -> hetjob on the real local cluster, by sbatch and by submitit."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import yaml
 
 import hpcrl
 from hpcrl.slurm.submit import SubmitError
-from conftest import ROOT, job_records, queue_ids
+from conftest import ROOT, job_finished, job_records, queue_ids, wait_until
 
 pytestmark = pytest.mark.slurm
 TINY = ROOT / "jobs" / "tiny-cpu.yaml"
@@ -46,10 +47,14 @@ def test_sbatch_path_places_each_role_on_its_partition(slurm_cluster, tmp_path):
     for i, comp in enumerate(alloc["components"]):
         assert [n["name"] for n in comp["nodes"]] == [recs[i]["NodeList"]]
         assert comp["nodes"][0]["addr"].startswith("127.0.0.")
-    # each component's step saw only its own GPUs (the batch shell's leak nowhere)
-    assert [c["nodes"][0]["gpus"] for c in alloc["components"]] == ["0", "0", ""]
+    assert [c["gres"] for c in alloc["components"]] == ["gpu:a100:1", "gpu:h100:1", ""]
+    assert [c["cpus_per_node"] for c in alloc["components"]] == [2, 2, 2]
     assert (tmp_path / "run" / "job.sbatch").read_text().count("#SBATCH hetjob") == 2
     assert "component 2 (ref,reward) on cpu" in job.logs()
+    status = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(tmp_path / "run")],
+                            capture_output=True, text=True).stdout
+    assert re.search(rf"critic +component 1 +COMPLETED +ray nodes: {recs[1]['NodeList']}@127\.0\.0\.\d+", status), status
+    assert re.search(rf"actor_rollout .*{recs[0]['NodeList']}@[\d.]+\(head\)", status), status
 
 
 def where_am_i(x):
@@ -70,6 +75,7 @@ def test_submitit_path_returns_the_function_result(slurm_cluster, tmp_path):
     result = sjob.result()
     assert result["partition"] == "a100" and result["node"].startswith("a100n") and result["answer"] == 42
     assert result["allocation"]["critic"] == 1
+    wait_until(lambda: job_finished(sjob.job_id), 60, "Ray teardown after the function returned")
     assert sjob.state == "COMPLETED"  # sacct's hetjob components read through our watcher
     check_components(sjob.job_id)
 

@@ -1,66 +1,52 @@
-"""Which nodes each component (and so each role) got: `RUN_DIR/allocation.json`.
+"""Which nodes each component (and so each member role) got: `RUN_DIR/allocation.json`.
 
-Runs inside the job. `probe` is one task per node of one component's step and writes what that
-node sees; `collect` (in the batch shell) joins the probes with each node's address from
-`scontrol show node`. Component index, partition, nodes and addresses are Slurm facts; members
-(role names) are labels passed through untouched.
+Written in the batch shell from Slurm's own records (`scontrol show job` of the leader, one record
+per component, and `scontrol show node` for addresses). Members are labels passed through untouched.
 
     {"job_id": "12", "restart_count": 0,
      "components": [{"index": 0, "members": ["actor_rollout"], "partition": "a100", "job_id": "12",
-                     "nodes": [{"name": "a100n1", "addr": "127.0.0.13", "cpus": 2, "gpus": "0"}]}, ...],
+                     "gres": "gpu:a100:1", "cpus_per_node": 2, "mem_mb": 3072,
+                     "nodes": [{"name": "a100n1", "addr": "127.0.0.13"}]}, ...],
      "members": {"actor_rollout": 0, ...}}
 """
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 from hpcrl.slurm.cluster import parse_records, slurm_cmd
+from hpcrl.slurm.job import parse_mem_mb
 from hpcrl.util import atomic_write_text
 
-PROBE_DIR = ".allocation"
+
+def _gres(tres_per_node: str) -> str:
+    # TresPerNode=gres:gpu:a100:1 (22.05) or gres/gpu:a100=1 (newer)
+    t = tres_per_node.removeprefix("gres:").replace("gres/", "").replace("=", ":")
+    return "" if t in ("", "(null)") else t
 
 
-def probe(run_dir: Path, component: int, members: list[str]) -> dict:
-    env = os.environ
-    rec = {
-        "component": component, "members": members, "name": env.get("SLURMD_NODENAME", socket.gethostname()),
-        "partition": env.get("SLURM_JOB_PARTITION", ""), "job_id": env.get("SLURM_JOB_ID", ""),
-        "cpus": int(env.get("SLURM_CPUS_ON_NODE", "0") or 0),
-        # SLURM_STEP_GPUS is right per component; CUDA_VISIBLE_DEVICES leaks from the batch shell.
-        "gpus": env.get("SLURM_STEP_GPUS", ""),
-    }
-    d = run_dir / PROBE_DIR
-    d.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(d / f"{component}.{rec['name']}.json", json.dumps(rec))
-    return rec
-
-
-def collect(run_dir: Path) -> dict:
-    probes = [json.loads(p.read_text()) for p in sorted((run_dir / PROBE_DIR).glob("*.json"))]
+def from_job(job_id: str, members: list[list[str]]) -> dict:
+    recs = sorted(parse_records(slurm_cmd("scontrol", "show", "job", "-o", job_id)),
+                  key=lambda r: int(r.get("HetJobOffset", 0)))
+    if len(recs) != len(members):
+        raise RuntimeError(f"job {job_id} has {len(recs)} components, the script names {len(members)}")
     addrs = {r["NodeName"]: r.get("NodeAddr", r["NodeName"])
              for r in parse_records(slurm_cmd("scontrol", "show", "node", "-o"))}
-    comps: dict[int, dict] = {}
-    for p in probes:
-        c = comps.setdefault(p["component"], {"index": p["component"], "members": p["members"],
-                                               "partition": p["partition"], "job_id": p["job_id"], "nodes": []})
-        c["nodes"].append({"name": p["name"], "addr": addrs.get(p["name"], p["name"]), "cpus": p["cpus"],
-                           "gpus": p["gpus"]})
-    alloc = {
-        "job_id": os.environ.get("SLURM_JOB_ID", ""),
-        "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-        "components": [comps[i] for i in sorted(comps)],
-        "members": {m: i for i, c in comps.items() for m in c["members"]},
-    }
-    for c in alloc["components"]:
-        c["nodes"].sort(key=lambda n: n["name"])
-    atomic_write_text(run_dir / "allocation.json", json.dumps(alloc, indent=1))
-    for p in (run_dir / PROBE_DIR).glob("*.json"):
-        p.unlink()
-    return alloc
+    comps = []
+    for i, (r, m) in enumerate(zip(recs, members)):
+        names = slurm_cmd("scontrol", "show", "hostnames", r["NodeList"]).split()
+        n_nodes = max(1, len(names))
+        comps.append({
+            "index": i, "members": m, "partition": r["Partition"], "job_id": r["JobId"],
+            "gres": _gres(r.get("TresPerNode", "")),
+            "cpus_per_node": int(r.get("NumCPUs", "0")) // n_nodes,
+            "mem_mb": parse_mem_mb(r.get("MinMemoryNode") or "0"),
+            "nodes": [{"name": n, "addr": addrs.get(n, n)} for n in names],
+        })
+    return {"job_id": job_id, "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "components": comps, "members": {x: c["index"] for c in comps for x in c["members"]}}
 
 
 def read_allocation(run_dir: str | Path) -> dict:
@@ -68,17 +54,16 @@ def read_allocation(run_dir: str | Path) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["probe"] and len(argv) == 4:
-        probe(Path(argv[1]), int(argv[2]), argv[3].split(","))
-    elif argv[:1] == ["collect"] and len(argv) == 2:
-        alloc = collect(Path(argv[1]))
-        for c in alloc["components"]:
-            print(f"[hpcrl] component {c['index']} ({','.join(c['members'])}) on {c['partition']}: "
-                  + " ".join(f"{n['name']}@{n['addr']}" for n in c["nodes"]), flush=True)
-    else:
-        print("usage: python -m hpcrl.slurm.allocation probe RUN_DIR COMPONENT MEMBERS | collect RUN_DIR",
-              file=sys.stderr)
+    if len(argv) < 2:
+        print("usage: python -m hpcrl.slurm.allocation RUN_DIR MEMBERS_OF_COMPONENT_0 [MEMBERS_OF_1 ...]\n"
+              "       (members comma-separated; run inside the batch script)", file=sys.stderr)
         return 2
+    run_dir = Path(argv[0])
+    alloc = from_job(os.environ["SLURM_JOB_ID"], [a.split(",") for a in argv[1:]])
+    atomic_write_text(run_dir / "allocation.json", json.dumps(alloc, indent=1))
+    for c in alloc["components"]:
+        print(f"[hpcrl] component {c['index']} ({','.join(c['members'])}) on {c['partition']}: "
+              + " ".join(f"{n['name']}@{n['addr']}" for n in c["nodes"]), flush=True)
     return 0
 
 

@@ -119,6 +119,7 @@ class HetJob:
     signal_lead_s: int = 120
     setup: list[str] = field(default_factory=list)
     python: str = "python3"
+    env: dict[str, str] = field(default_factory=dict)  # exported at the top of the script
     source_file: str = ""
 
     def members(self) -> dict[str, int]:

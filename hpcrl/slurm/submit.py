@@ -185,7 +185,9 @@ class HetjobExecutor(submitit.SlurmExecutor):
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         paths = submitit_utils.JobPaths(self.folder)
-        srun = ["srun", "--het-group=0", "--nodes=1", "--ntasks=1", "--unbuffered",
+        # a job of one component is not a hetjob, and srun refuses --het-group there
+        het = ["--het-group=0"] if len(self.hetjob.components) > 1 else []
+        srun = ["srun", *het, "--nodes=1", "--ntasks=1", "--unbuffered",
                 "--output", str(paths.stdout), "--error", str(paths.stderr)]
         payload = "\n".join(["# the submitted Python function (submitit)", "export SUBMITIT_EXECUTOR=slurm",
                              " ".join(shlex.quote(a) for a in srun) + " " + command])

@@ -1,0 +1,4 @@
+"""Ray inside the Slurm allocation: one node per allocated node, labelled by role, token-protected."""
+from hpcrl.raycluster.session import connect, start_local, wait_ready
+
+__all__ = ["connect", "start_local", "wait_ready"]

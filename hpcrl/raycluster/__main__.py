@@ -1,0 +1,34 @@
+"""python -m hpcrl.raycluster prepare|node|wait|stop RUN_DIR  (steps of the batch script)."""
+import os
+import sys
+import time
+from pathlib import Path
+
+from hpcrl.raycluster.node import run_node
+from hpcrl.raycluster.session import DEFAULT_START_TIMEOUT_S, prepare, request_stop, wait_ready
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] not in ("prepare", "node", "wait", "stop"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    cmd, run_dir = argv[0], Path(argv[1])
+    if cmd == "prepare":
+        c = prepare(run_dir, float(os.environ.get("HPCRL_RAY_START_TIMEOUT", DEFAULT_START_TIMEOUT_S)))
+        print(f"[hpcrl] ray: head {c['head']['name']} at {c['address']}, {len(c['nodes'])} nodes expected", flush=True)
+    elif cmd == "node":
+        return run_node(run_dir)
+    elif cmd == "wait":
+        try:
+            waited = wait_ready(run_dir)
+        except RuntimeError as e:
+            print(f"[hpcrl] error: {e}", file=sys.stderr, flush=True)
+            return 1
+        print(f"[hpcrl] ray: all nodes joined after {waited:.2f}s (at {time.time():.3f})", flush=True)
+    else:
+        request_stop(run_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,166 @@
+"""The job's own Ray cluster: prepared in the batch shell, joined by every node, connected to by the driver.
+
+    prepare(run_dir)     fresh token (0600), head and its ports, the expected nodes -> ray/cluster.json
+    wait_ready(run_dir)  barrier: returns when exactly the expected nodes are alive, or names the missing
+    request_stop(run_dir) every node task tears its Ray node down (by session id) and exits
+    connect(run_dir)     ray.init on the job's cluster with its token
+    start_local(roles)   a one-node Ray with the same role resources, for `hpcrl run --local`
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+import uuid
+from pathlib import Path
+
+from hpcrl.raycluster.node import node_resources, ray_env, wait_for_port
+from hpcrl.raycluster.ports import choose_block
+from hpcrl.util import atomic_write_text
+
+DEFAULT_START_TIMEOUT_S = 180
+
+
+def _gpu_type(gres: str) -> str | None:
+    parts = gres.split(":")
+    return parts[1] if len(parts) == 3 and parts[0] == "gpu" else None
+
+
+def prepare(run_dir: Path, start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> dict:
+    """Run in the batch shell, on the head node (first node of component 0), after allocation.json."""
+    alloc = json.loads((run_dir / "allocation.json").read_text())
+    ray_dir = run_dir / "ray"
+    ray_dir.mkdir(parents=True, exist_ok=True)
+    ray_dir.chmod(0o700)
+    token = ray_dir / "token"
+    token.unlink(missing_ok=True)
+    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    for old in (ray_dir / "failed").glob("*"):
+        old.unlink()
+    nodes = [{"index": k, "name": n["name"], "addr": n["addr"], "component": c["index"], "members": c["members"],
+              "partition": c["partition"], "gpu_type": _gpu_type(c["gres"])}
+             for k, (c, n) in enumerate((c, n) for c in alloc["components"] for n in c["nodes"])]
+    head = nodes[0]
+    ports = choose_block(alloc["job_id"], 0, len(nodes))
+    cluster = {"job_id": alloc["job_id"], "run_id": uuid.uuid4().hex[:12], "start_timeout_s": start_timeout_s,
+               "head": {"name": head["name"], "addr": head["addr"], "ports": {"start": ports.start, "gcs": ports.gcs}},
+               "address": f"{head['addr']}:{ports.gcs}", "nodes": nodes}
+    atomic_write_text(ray_dir / "cluster.json", json.dumps(cluster, indent=1))
+    return cluster
+
+
+def read_cluster(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "ray" / "cluster.json").read_text())
+
+
+def _use_env(run_dir: Path) -> None:
+    """Token auth for this process and its children. Ray caches RAY_AUTH_MODE when it is imported;
+    a driver that imported ray first must have that cache refreshed (Ray's own
+    `_enable_token_auth` does the same)."""
+    os.environ.update(ray_env(Path(run_dir)))
+    import sys
+
+    if "ray" in sys.modules:
+        from ray._raylet import Config
+
+        Config.initialize("")
+
+
+def _local_ip(addr: str) -> str | None:
+    """addr if this host owns it (we are on the head node), else None (let Ray pick)."""
+    try:
+        with socket.socket() as s:
+            s.bind((addr, 0))
+        return addr
+    except OSError:
+        return None
+
+
+def connect(run_dir: str | Path, **init_kwargs):
+    """Join the job's Ray cluster as a driver (on the head node), with the job's token."""
+    run_dir = Path(run_dir)
+    cluster = read_cluster(run_dir)
+    _use_env(run_dir)
+    import ray
+
+    ip = _local_ip(cluster["head"]["addr"])
+    kwargs = {"address": cluster["address"], "log_to_driver": False, **init_kwargs}
+    if ip:
+        kwargs["_node_ip_address"] = ip
+    return ray.init(**kwargs)
+
+
+def _failures(run_dir: Path) -> str | None:
+    failed = sorted((run_dir / "ray" / "failed").glob("*"))
+    if not failed:
+        return None
+    return "; ".join(f"{f.name}: {f.read_text()}" for f in failed)
+
+
+def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
+    """Block until every expected node has joined; seconds waited. Raises with the missing nodes."""
+    run_dir = Path(run_dir)
+    cluster = read_cluster(run_dir)
+    timeout_s = cluster["start_timeout_s"] if timeout_s is None else timeout_s
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    expected = {n["name"] for n in cluster["nodes"]}
+    joined: set[str] = set()
+
+    def missing_error(why: str) -> RuntimeError:
+        missing = sorted(expected - joined)
+        logs = ", ".join(str(run_dir / "logs" / "ray" / f"{m}.log") for m in missing)
+        return RuntimeError(f"Ray cluster of job {cluster['job_id']} not ready: {why}. "
+                            f"Missing nodes: {', '.join(missing)}. Their logs: {logs}")
+
+    try:
+        wait_for_port(cluster["head"]["addr"], cluster["head"]["ports"]["gcs"], deadline,
+                      give_up=lambda: _failures(run_dir))
+    except TimeoutError:
+        raise missing_error(f"the head's GCS did not accept within {timeout_s:.0f}s") from None
+    except RuntimeError as e:
+        raise missing_error(f"a node failed ({e})") from None
+    connect(run_dir, logging_level="WARNING")
+    import ray
+
+    try:
+        while True:
+            joined = {n["Labels"].get("hpcrl.node") for n in ray.nodes()
+                      if n["Alive"] and n["Labels"].get("hpcrl.job") == cluster["job_id"]}
+            if expected <= joined:
+                return time.monotonic() - t0
+            reason = _failures(run_dir)
+            if reason:
+                raise missing_error(f"a node failed ({reason})")
+            if time.monotonic() > deadline:
+                raise missing_error(f"timed out after {timeout_s:.0f}s")
+            time.sleep(0.05)
+    finally:
+        ray.shutdown()
+
+
+def request_stop(run_dir: Path) -> None:
+    cluster = read_cluster(run_dir)
+    (Path(run_dir) / "ray" / f"stop.{cluster['run_id']}").touch()
+
+
+def start_local(roles: list[str], run_dir: Path | None = None, num_cpus: int | None = None, **init_kwargs):
+    """One local Ray node advertising every role, as a Slurm node advertises its own."""
+    if run_dir is not None:
+        ray_dir = Path(run_dir) / "ray"
+        ray_dir.mkdir(parents=True, exist_ok=True)
+        token = ray_dir / "token"
+        if not token.exists():
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        _use_env(Path(run_dir))
+    import ray
+
+    return ray.init(address="local", num_cpus=num_cpus, resources=json.loads(node_resources(roles)),
+                    labels={"hpcrl.node": "local", **{f"hpcrl.role.{r}": "1" for r in roles}},
+                    include_dashboard=False, log_to_driver=False, **init_kwargs)

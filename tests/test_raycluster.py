@@ -1,0 +1,153 @@
+"""The job's own Ray cluster inside a real hetjob: placement by role, token, isolation, teardown, failures."""
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import yaml
+
+import hpcrl
+from hpcrl.raycluster.ports import SIZE, choose_block
+from hpcrl.slurm.render import render_hetjob
+from hpcrl.slurm.submit import HetjobExecutor
+from conftest import ROOT, job_finished, job_records, sh, wait_until
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in the job
+
+
+def ray_processes_of(job_id: str) -> list[int]:
+    """Live (non-zombie) processes whose command line names the job's Ray temp dirs."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            cmd = (p / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if state != "Z" and f"hpcrl-ray-{job_id}-" in cmd:
+            pids.append(int(p.name))
+    return pids
+
+
+def inspect_cluster(run_dir, roles):
+    """Runs in component 0 after the barrier."""
+    import json
+    import ray
+
+    from hpcrl.raycluster import connect
+
+    connect(run_dir)
+    nodes = sorted((n["Labels"]["hpcrl.node"], n["NodeManagerAddress"], n["Labels"]["hpcrl.job"])
+                   for n in ray.nodes() if n["Alive"])
+
+    @ray.remote(num_cpus=0)
+    def where():
+        return (os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_PARTITION"], ray.util.get_node_ip_address(),
+                os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    placed = {r: ray.get(where.options(resources={f"role:{r}": 0.01}).remote()) for r in roles}
+    ray.shutdown()
+    cluster = json.loads((Path(run_dir) / "ray" / "cluster.json").read_text())
+    probe = f"import ray; ray.init(address={cluster['address']!r}); print('JOINED')"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    procs = {name: subprocess.Popen([sys.executable, "-c", probe], env={**base, **extra}, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for name, extra in (("no token", {}),
+                                 ("wrong token", {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}))}
+    tries = {}
+    for name, p in procs.items():
+        out, err = p.communicate(timeout=120)
+        tries[name] = (p.returncode, "JOINED" in out, "InvalidAuthToken" in err)
+    token_mode = oct(os.stat(Path(run_dir) / "ray" / "token").st_mode & 0o777)
+    return {"nodes": nodes, "placed": placed, "tries": tries, "token_mode": token_mode,
+            "address": cluster["address"], "ray_pids": len(ray_processes_of(cluster["job_id"]))}
+
+
+def four_node_spec(tmp_path, name):
+    data = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())
+    data["roles"]["actor_rollout"]["nodes"] = 2
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return hpcrl.load_spec(path, run_dir=tmp_path / name)
+
+
+ROLES = ["actor_rollout", "critic", "ref", "reward"]
+PARTITION = {"actor_rollout": "a100", "critic": "h100", "ref": "cpu", "reward": "cpu"}
+
+
+@pytest.mark.slurm
+def test_two_jobs_each_get_their_own_labelled_secured_cluster(slurm_cluster, tmp_path):
+    jobs = [HetjobExecutor(four_node_spec(tmp_path, n).to_hetjob(python=sys.executable))
+            .submit(inspect_cluster, str(tmp_path / n), ROLES) for n in ("one", "two")]
+    results = [j.result() for j in jobs]
+    for job, res in zip(jobs, results):
+        alloc = {int(r["HetJobOffset"]): r["NodeList"] for r in job_records(job.job_id)}
+        assert len(res["nodes"]) == 4, res["nodes"]
+        # only its own nodes, every one labelled with its own job id
+        assert {n[2] for n in res["nodes"]} == {job.job_id}
+        assert sorted(n[0] for n in res["nodes"]) == sorted(
+            sh("scontrol", "show", "hostnames", ",".join(alloc.values())).split())
+        for role, (node, partition, ip, cuda) in res["placed"].items():
+            # each node's own GPUs; the batch shell's CUDA_VISIBLE_DEVICES leaks nowhere
+            assert cuda == "" if partition == "cpu" else re.fullmatch(r"[0-3]", cuda), (role, cuda)
+            assert partition == PARTITION[role], (role, node, partition)
+            assert node in sh("scontrol", "show", "hostnames", alloc[ROLES.index(role) if role != "reward" else 2])
+            assert ip == sh("scontrol", "show", "node", node).split("NodeAddr=")[1].split()[0]
+        assert res["tries"]["no token"][:2] != (0, True) and res["tries"]["no token"][1] is False
+        assert res["tries"]["wrong token"][1] is False and res["tries"]["wrong token"][2] is True
+        assert res["token_mode"] == "0o600"
+        assert res["ray_pids"] >= 4
+    # both ran on the same a100 nodes at the same time, on different ports
+    assert results[0]["address"] != results[1]["address"]
+    for job in jobs:
+        wait_until(lambda: job_finished(job.job_id), 60, "job end")
+        wait_until(lambda: not ray_processes_of(job.job_id), 15, f"no Ray process of job {job.job_id}")
+
+
+@pytest.mark.slurm
+def test_a_node_that_never_starts_fails_the_barrier_by_name(slurm_cluster, tmp_path):
+    spec = hpcrl.load_spec(ROOT / "jobs" / "tiny-cpu.yaml", run_dir=tmp_path / "run")
+    job = spec.to_hetjob(python=sys.executable)
+    job.env["HPCRL_RAY_START_TIMEOUT"] = "20"
+    script = "\n".join(line for line in render_hetjob(job).splitlines()
+                       if not line.startswith("srun --het-group=2"))  # component 2's Ray node never starts
+    (tmp_path / "run" / "logs").mkdir(parents=True)
+    (tmp_path / "job.sbatch").write_text(script)
+    jid = sh("sbatch", "--parsable", str(tmp_path / "job.sbatch")).strip()
+    wait_until(lambda: job_finished(jid), 90, "job end")
+    assert job_records(jid)[0]["JobState"] == "FAILED"
+    out = (tmp_path / "run" / "logs" / f"slurm-{jid}.out").read_text()
+    node = re.search(r"component 2 \(ref,reward\) on cpu: (\w+)@", out).group(1)
+    assert f"Missing nodes: {node}. Their logs: {tmp_path}/run/logs/ray/{node}.log" in out
+    assert "timed out after 20s" in out
+    wait_until(lambda: not ray_processes_of(jid), 15, "no Ray process left after the failure")
+
+
+def test_port_blocks_of_one_job_never_overlap_and_skip_busy_ports():
+    blocks = [choose_block("77", k, 4).start for k in range(4)]
+    assert len(set(blocks)) == 4
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", blocks[1] + 5))  # one busy port in node 1's block
+        moved = choose_block("77", 1, 4).start
+    assert moved not in blocks and (moved - blocks[1]) % (4 * SIZE) == 0
+
+
+def test_local_mode_advertises_every_role(tmp_path):
+    script = f"""
+import os, ray
+from hpcrl.raycluster import start_local
+start_local(["actor_rollout", "critic"], run_dir={str(tmp_path)!r}, num_cpus=1)
+res = ray.cluster_resources()
+@ray.remote(num_cpus=0, resources={{"role:critic": 0.01}})
+def f(): return 42
+print(res["role:critic"], res["role:actor_rollout"], ray.get(f.remote()), oct(os.stat({str(tmp_path)!r} + "/ray/token").st_mode & 0o777))
+ray.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["1.0", "1.0", "42", "0o600"], out.stderr[-2000:]
