@@ -9,10 +9,16 @@ block while the other is still starting. Every port Ray's Slurm caveats list is 
 from __future__ import annotations
 
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 BASE, SIZE, BLOCKS = 20000, 200, 200  # ports 20000-59999
 WORKERS_FROM = 10  # offsets 10..SIZE-1 are the worker ports
+
+
+# `ray start` flag -> offset in the block; worker ports are offsets WORKERS_FROM..SIZE-1
+NODE_PORTS = {"node-manager-port": 1, "object-manager-port": 2, "dashboard-agent-listen-port": 3,
+              "dashboard-agent-grpc-port": 4, "metrics-export-port": 5, "runtime-env-agent-port": 6}
+HEAD_PORTS = {"port": 0, "dashboard-port": 7}  # GCS and the (minimal) dashboard head
 
 
 @dataclass
@@ -20,34 +26,13 @@ class PortBlock:
     start: int
 
     @property
-    def gcs(self) -> int: return self.start
-    @property
-    def node_manager(self) -> int: return self.start + 1
-    @property
-    def object_manager(self) -> int: return self.start + 2
-    @property
-    def dashboard_agent_listen(self) -> int: return self.start + 3
-    @property
-    def dashboard_agent_grpc(self) -> int: return self.start + 4
-    @property
-    def metrics_export(self) -> int: return self.start + 5
-    @property
-    def runtime_env_agent(self) -> int: return self.start + 6
-    @property
-    def dashboard(self) -> int: return self.start + 7
+    def gcs(self) -> int:
+        return self.start + HEAD_PORTS["port"]
 
     def ray_start_args(self, head: bool) -> list[str]:
-        args = [f"--node-manager-port={self.node_manager}", f"--object-manager-port={self.object_manager}",
-                f"--dashboard-agent-listen-port={self.dashboard_agent_listen}",
-                f"--dashboard-agent-grpc-port={self.dashboard_agent_grpc}",
-                f"--metrics-export-port={self.metrics_export}", f"--runtime-env-agent-port={self.runtime_env_agent}",
-                f"--min-worker-port={self.start + WORKERS_FROM}", f"--max-worker-port={self.start + SIZE - 1}"]
-        if head:
-            args += [f"--port={self.gcs}", f"--dashboard-port={self.dashboard}"]
-        return args
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+        flags = {**NODE_PORTS, **(HEAD_PORTS if head else {})}
+        return [f"--{flag}={self.start + off}" for flag, off in flags.items()] + [
+            f"--min-worker-port={self.start + WORKERS_FROM}", f"--max-worker-port={self.start + SIZE - 1}"]
 
 
 def _free(port: int) -> bool:
