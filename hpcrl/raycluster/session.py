@@ -28,17 +28,21 @@ def _gpu_type(gres: str) -> str | None:
     return parts[1] if len(parts) == 3 and parts[0] == "gpu" else None
 
 
+def _write_token(path: Path) -> None:
+    """A random token, created 0600 (never readable by others, not even for an instant)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
 def prepare(run_dir: Path, start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> dict:
     """Run in the batch shell, on the head node (first node of component 0), after allocation.json."""
     alloc = json.loads((run_dir / "allocation.json").read_text())
     ray_dir = run_dir / "ray"
     ray_dir.mkdir(parents=True, exist_ok=True)
     ray_dir.chmod(0o700)
-    token = ray_dir / "token"
-    token.unlink(missing_ok=True)
-    fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    (ray_dir / "token").unlink(missing_ok=True)  # a fresh token for every job start
+    _write_token(ray_dir / "token")
     for old in (ray_dir / "failed").glob("*"):
         old.unlink()
     nodes = [{"index": k, "name": n["name"], "addr": n["addr"], "component": c["index"], "members": c["members"],
@@ -153,11 +157,8 @@ def start_local(roles: list[str], run_dir: Path | None = None, num_cpus: int | N
     if run_dir is not None:
         ray_dir = Path(run_dir) / "ray"
         ray_dir.mkdir(parents=True, exist_ok=True)
-        token = ray_dir / "token"
-        if not token.exists():
-            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
+        if not (ray_dir / "token").exists():
+            _write_token(ray_dir / "token")
         _use_env(Path(run_dir))
     import ray
 
