@@ -1,0 +1,135 @@
+"""The code that runs inside one Ray actor process.
+
+`Worker` is the base of every role's worker class: it knows its role, rank and world size,
+and its torch.distributed group is ready before its `__init__` runs. `WorkerHost` is the actor:
+it starts the process group (gloo on CPU, nccl on GPU), builds one Worker per role it hosts
+(several when roles are colocated), and runs the methods the driver dispatches to it.
+"""
+from __future__ import annotations
+
+import io
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    role: str
+    rank: int
+    world_size: int
+    device: str        # "cuda:<local index>" or "cpu"
+
+
+class Worker:
+    """Subclass it, decorate methods with `@register(dispatch=...)`, hand the class to a WorkerGroup."""
+    _ctx: WorkerContext
+
+    @property
+    def role(self) -> str:
+        return self._ctx.role
+
+    @property
+    def rank(self) -> int:
+        return self._ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._ctx.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._ctx.device)
+
+
+class RoleLog(io.TextIOBase):
+    """Replaces sys.stdout/sys.stderr in a worker: every line goes, prefixed with role and rank, to
+    logs/<role>/rank<k>.log of the role whose code is running, and to the original stream (which
+    Ray forwards to the driver's console)."""
+
+    def __init__(self, host: WorkerHost, echo):
+        self.host, self.echo, self.pending = host, echo, ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.host.log_line(line, self.echo)
+        return len(text)
+
+    def flush(self) -> None:
+        self.echo.flush()
+
+
+class WorkerHost:
+    """One actor process: hosts the Workers of one or more (colocated) roles at one rank.
+    Created idle (torch already imported); `setup` gives it its rank. A standby host waits,
+    idle, to replace a dead rank without paying for a process start and a torch import."""
+
+    def __init__(self, roles: list[str], log_dir: str | None):
+        self.roles, self.log_dir = roles, log_dir
+        self.rank, self.current = 0, roles[0]
+        self.workers: dict[str, Worker] = {}
+        self.files = {}
+
+    def log_line(self, line: str, echo) -> None:
+        prefixed = f"[{self.current} rank{self.rank}] {line}\n"
+        if self.current in self.files:
+            self.files[self.current].write(prefixed)
+        echo.write(prefixed)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0 names the address every rank of this group meets at (a free port on its node)."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, rank: int, world_size: int, master: tuple[str, int], workers: dict[str, tuple],
+              num_threads: int, gpu_ids: list | None, timeout_s: float) -> tuple[int, list]:
+        """Take rank `rank`: open its logs, join the group's torch.distributed group, build each
+        role's Worker. gpu_ids is given to a standby process taking over a dead rank's GPUs."""
+        import ray
+
+        self.rank = rank
+        if self.log_dir:
+            for role in self.roles:
+                path = Path(self.log_dir) / role / f"rank{rank}.log"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.files[role] = open(path, "a", buffering=1)
+            sys.stdout, sys.stderr = RoleLog(self, sys.__stdout__), RoleLog(self, sys.__stderr__)
+        if gpu_ids is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))   # before CUDA is first touched
+        torch.set_num_threads(max(1, num_threads))
+        gpu = torch.cuda.is_available()
+        device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        for role, (cls, args, kwargs) in workers.items():
+            self.current = role
+            worker = cls.__new__(cls)
+            worker._ctx = WorkerContext(role, rank, world_size, device)
+            worker.__init__(*args, **kwargs)
+            self.workers[role] = worker
+        return os.getpid(), [str(g) for g in ray.get_gpu_ids()] if gpu_ids is None else gpu_ids
+
+    def execute(self, role: str, method: str, /, *args, **kwargs):
+        self.current = role
+        try:
+            return getattr(self.workers[role], method)(*args, **kwargs)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+    def pid(self) -> int:
+        return os.getpid()

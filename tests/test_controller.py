@@ -1,0 +1,223 @@
+"""The single-controller runtime on a real (local) Ray: real actor processes, real gloo groups,
+real SIGKILLs."""
+import logging
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpcrl.controller import (Dispatch, DispatchMode, ResourcePool, RoleRestartLimit, Worker, WorkerGroup,
+                              register, register_dispatch)
+from hpcrl.protocol import Batch
+
+# Every other rank gets the batch, the rest nothing: a custom mode to show the hook works.
+register_dispatch(DispatchMode("EVEN_RANKS", lambda n, a, k: [(a, k) if r % 2 == 0 else None for r in range(n)],
+                               lambda results: sum(results)))
+
+
+class Tripwire:
+    """Records the pid of every process that unpickles it: the driver must never appear."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return _tripped, (self.path,)
+
+
+def _tripped(path):
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    return Tripwire(path)
+
+
+class Toy(Worker):
+    def __init__(self, offset=0, seed=0):
+        self.offset, self.calls = offset, 0
+        torch.manual_seed(seed + self.rank)
+        self.layer = torch.nn.Linear(3, 2)
+        print(f"built {self.role} at rank {self.rank}")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self):
+        return self.role, self.rank, self.world_size, os.getpid(), dist.get_world_size()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def allreduce(self, v):
+        t = torch.tensor([float(v * (self.rank + 1))])
+        dist.all_reduce(t)
+        return t.item()
+
+    @register(Dispatch.ALL_TO_ALL)
+    def echo(self, x):
+        return self.rank, x
+
+    @register(Dispatch.RANK_ZERO)
+    def leader(self):
+        return self.rank
+
+    @register("EVEN_RANKS")
+    def one(self):
+        return 1
+
+    @register(Dispatch.ONE_TO_ALL)
+    def count(self):
+        self.calls += 1
+        return self.calls
+
+    @register(Dispatch.DP_COMPUTE)
+    def add(self, batch, k=1, sleep=0.0, tripwire=None):
+        time.sleep(sleep)
+        x = batch["x"] if "x" in batch else batch["y"]
+        out = Batch({"y": x + k + self.offset}, {"rank": np.full(len(batch), self.rank)})
+        if tripwire:
+            out.meta["tripwire"] = Tripwire(tripwire)
+        return out
+
+    @register(Dispatch.DP_COMPUTE)
+    def forward(self, batch):
+        with torch.no_grad():
+            return Batch({"out": self.layer(batch["f"])})
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    import ray
+    from ray import cloudpickle
+
+    from hpcrl.raycluster.session import start_local
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in the workers
+    run = tmp_path_factory.mktemp("run")
+    start_local(["a", "b", "c"], run_dir=run, num_cpus=6)
+    yield run
+    ray.shutdown()
+
+
+def test_dispatch_modes(ray_local):
+    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=3), Toy)
+    try:
+        who = a.whoami()
+        assert [w[:3] for w in who] == [("a", r, 3) for r in range(3)] and all(w[4] == 3 for w in who)
+        assert len({w[3] for w in who}) == 3   # three processes
+        assert a.allreduce(2) == [12.0] * 3    # 2 * (1 + 2 + 3) through gloo
+        assert a.echo(["x", "y", "z"]) == [(0, "x"), (1, "y"), (2, "z")]
+        assert a.leader() == 0
+        assert a.one() == 2                    # ranks 0 and 2 only
+        with pytest.raises(TypeError, match="list of 3"):
+            a.echo(["x"])
+    finally:
+        a.shutdown()
+
+
+def test_dp_compute_keeps_order_for_any_batch_size(ray_local):
+    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=3), Toy)
+    try:
+        for n in (1, 2, 4, 7, 10):
+            out = a.add(Batch({"x": torch.arange(n)}), k=5)
+            assert out["y"].tolist() == [i + 5 for i in range(n)]
+            expected_rank = np.concatenate([np.full(len(c), r) for r, c in enumerate(np.array_split(np.arange(n), 3))])
+            assert out["rank"].tolist() == expected_rank.tolist()
+    finally:
+        a.shutdown()
+
+
+def test_future_goes_group_to_group_without_the_driver(ray_local, tmp_path):
+    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=3), Toy)
+    b = WorkerGroup(ResourcePool.for_role("b", processes_per_node=2), Toy, init_kwargs={"offset": 100})
+    c = WorkerGroup(ResourcePool.for_role("c", processes_per_node=3), Toy, init_kwargs={"offset": 1000})
+    wire = tmp_path / "unpickled_by"
+    try:
+        x = Batch({"x": torch.arange(7)})
+        fut = a.add.future(x, tripwire=str(wire))
+        assert b.add(fut)["y"].tolist() == [i + 1 + 1 + 100 for i in range(7)]      # 3 ranks -> 2: rechunked
+        assert c.add(fut)["y"].tolist() == [i + 1 + 1 + 1000 for i in range(7)]     # 3 -> 3: rank to rank
+        pids = {int(p) for p in wire.read_text().split()}
+        assert os.getpid() not in pids and pids    # the Batch was unpickled, but never by the driver
+        assert fut.result().meta["tripwire"]       # control: fetching it does trip the wire here
+        assert os.getpid() in {int(p) for p in wire.read_text().split()}
+    finally:
+        for g in (a, b, c):
+            g.shutdown()
+
+
+def test_colocated_and_split_layouts_give_the_same_results(ray_local):
+    feats = Batch({"f": torch.randn(5, 3, generator=torch.Generator().manual_seed(1))})
+    split = {"a": WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Toy, init_kwargs={"seed": 7}),
+             "b": WorkerGroup(ResourcePool.for_role("b", processes_per_node=2), Toy, init_kwargs={"seed": 8})}
+    split_out = {r: wg.forward(feats)["out"] for r, wg in split.items()}
+    split_pids = {r: wg.pids() for r, wg in split.items()}
+    for wg in split.values():
+        wg.shutdown()
+    pool = ResourcePool.for_role("a", processes_per_node=2, max_colocate_count=2)
+    fused = WorkerGroup.colocated(pool, {"a": (Toy, (), {"seed": 7}), "b": (Toy, (), {"seed": 8})})
+    try:
+        assert fused["a"].pids() == fused["b"].pids()            # one process per rank for both roles
+        assert set(split_pids["a"]).isdisjoint(split_pids["b"])  # vs. a process per role and rank
+        for r, wg in fused.items():
+            assert torch.equal(wg.forward(feats)["out"], split_out[r])
+        assert fused["a"].whoami()[1][:2] == ("a", 1) and fused["b"].whoami()[1][:2] == ("b", 1)
+    finally:
+        fused["a"].shutdown()
+    with pytest.raises(ValueError, match="max_colocate_count=1"):
+        WorkerGroup.colocated(ResourcePool.for_role("a"), {"a": (Toy, (), {}), "b": (Toy, (), {})})
+
+
+def test_killed_rank_rebuilds_its_role_only_and_the_call_completes(ray_local, caplog):
+    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Toy, log_dir=ray_local / "logs")
+    b = WorkerGroup(ResourcePool.for_role("b", processes_per_node=2), Toy, log_dir=ray_local / "logs")
+    try:
+        a.count(), b.count()
+        a_pids, b_pids = a.pids(), b.pids()
+        x = Batch({"x": torch.arange(6)})
+        fut = a.add.future(x, sleep=3.0)
+        time.sleep(1.0)
+        os.kill(a_pids[1], signal.SIGKILL)
+        with caplog.at_level(logging.WARNING, logger="hpcrl.controller"):
+            out = fut.result()
+        assert out["y"].tolist() == [i + 1 for i in range(6)]
+        assert "role a: rank 1 died during add" in caplog.text
+        new_a = a.pids()
+        assert set(new_a).isdisjoint(a_pids) and b.pids() == b_pids
+        assert a.count() == [1, 1] and b.count() == [2, 2]   # a restarted from init, b kept its state
+        # per-role logs, role and rank on every line, from both the old and the rebuilt process
+        lines = (ray_local / "logs" / "a" / "rank1.log").read_text().splitlines()
+        assert lines.count("[a rank1] built a at rank 1") == 2
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def test_restart_limit_stops_the_run_with_the_role_named(ray_local):
+    a = WorkerGroup(ResourcePool.for_role("a"), Toy, restart_limit=1)
+    try:
+        os.kill(a.pids()[0], signal.SIGKILL)
+        assert a.count() == [1]      # first death: rebuilt
+        os.kill(a.pids()[0], signal.SIGKILL)
+        with pytest.raises(RoleRestartLimit, match=r"role a: rank 0 died during count.*restart_limit=1"):
+            a.count()
+    finally:
+        a.shutdown()
+
+
+def test_standby_process_takes_over_a_dead_rank(ray_local):
+    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Toy, standby=True)
+    try:
+        standby_pids = [int(p) for p in __import__("ray").get([h.pid.remote() for h in a._hosts.standby])]
+        os.kill(a.pids()[0], signal.SIGKILL)
+        assert a.allreduce(1) == [3.0, 3.0]
+        assert a.pids() == standby_pids
+    finally:
+        a.shutdown()
+
+
+def test_pool_for_a_role_no_node_carries(ray_local):
+    from hpcrl.controller import ResourcePoolError
+
+    with pytest.raises(ResourcePoolError, match=r"no alive Ray node carries role 'critic' \(roles present: \['a', 'b', 'c'\]\)"):
+        ResourcePool.for_role("critic")

@@ -1,0 +1,80 @@
+"""Batch: pure logic, checked against numpy slicing; transport through a real Ray object store."""
+import numpy as np
+import pytest
+import torch
+
+from hpcrl.protocol import Batch
+
+
+def sample(n=7):
+    return Batch({"x": torch.arange(n * 3).reshape(n, 3), "m": torch.rand(n, 2, dtype=torch.bfloat16)},
+                 {"text": np.array([f"p{i}" for i in range(n)], dtype=object)}, {"step": 4})
+
+
+def test_chunk_matches_numpy_array_split_and_concat_restores_order():
+    for n in range(1, 12):
+        b = sample(n)
+        for k in (1, 2, 3, 4, 5):
+            parts = b.chunk(k)
+            assert [len(p) for p in parts] == [len(a) for a in np.array_split(np.arange(n), k)]
+            back = Batch.concat(parts)
+            assert torch.equal(back["x"], b["x"]) and list(back["text"]) == list(b["text"])
+
+
+def test_split_repeat_reorder_index():
+    b = sample(7)
+    assert [len(p) for p in b.split(3)] == [3, 3, 1]
+    assert list(b.repeat(2)["text"][:4]) == ["p0", "p0", "p1", "p1"]
+    assert list(b.repeat(2, interleave=False)["text"][6:9]) == ["p6", "p0", "p1"]
+    perm = np.random.default_rng(0).permutation(7)
+    r = b.reorder(perm)
+    assert torch.equal(r["x"], b["x"][torch.as_tensor(perm)]) and list(r["text"]) == [f"p{i}" for i in perm]
+    with pytest.raises(ValueError, match="permutation"):
+        b.reorder([0, 0, 1, 2, 3, 4, 5])
+    mask = torch.tensor([True, False] * 3 + [True])
+    assert list(b.index(mask)["text"]) == ["p0", "p2", "p4", "p6"]
+
+
+def test_union_select_pop():
+    b = sample(4)
+    extra = Batch({"y": torch.ones(4)}, meta={"step": 4, "t": 1.0})
+    u = b.union(extra)
+    assert set(u.keys()) == {"x", "m", "text", "y"} and u.meta == {"step": 4, "t": 1.0}
+    with pytest.raises(ValueError, match="tensor 'x' differs"):
+        b.union(Batch({"x": torch.zeros(4, 3, dtype=torch.long)}))
+    with pytest.raises(ValueError, match="meta 'step' differs"):
+        b.union(Batch({"y": torch.ones(4)}, meta={"step": 5}))
+    with pytest.raises(ValueError, match="4 and 3"):
+        b.union(Batch({"y": torch.ones(3)}))
+    popped = u.pop("y")
+    assert "y" not in u and popped.keys() == ["y"]
+    with pytest.raises(KeyError, match="'nope'"):
+        u.select("nope")
+    with pytest.raises(ValueError, match="first dimension"):
+        Batch({"a": torch.ones(3), "b": torch.ones(4)})
+
+
+def test_pad_to_multiple_and_unpad():
+    b = sample(7)
+    padded, rec = b.pad_to_multiple(4)
+    assert len(padded) == 8 and rec.pad == 1 and torch.equal(padded["x"][7], b["x"][0])
+    assert torch.equal(padded.unpad(rec)["x"], b["x"])
+    same, rec0 = b.pad_to_multiple(7)
+    assert same is b and rec0.pad == 0
+
+
+def test_round_trip_through_ray_keeps_dtypes_and_gives_writable_tensors(tmp_path):
+    import ray
+
+    from hpcrl.raycluster.session import start_local
+
+    start_local(["x"], run_dir=tmp_path, num_cpus=1)
+    try:
+        b = sample(5)
+        back = ray.get(ray.put(b))
+        assert back["m"].dtype == torch.bfloat16 and torch.equal(back["m"], b["m"])
+        assert torch.equal(back["x"], b["x"]) and list(back["text"]) == list(b["text"]) and back.meta == {"step": 4}
+        back["x"].add_(1)   # a private copy: writing must not touch the stored object
+        assert torch.equal(ray.get(ray.put(b))["x"], b["x"])
+    finally:
+        ray.shutdown()
