@@ -1,4 +1,4 @@
-"""`hpcrl` command line: validate, render and submit job specs."""
+"""`hpcrl` command line: validate, render, submit and run job specs; status of a run."""
 from __future__ import annotations
 
 import argparse
@@ -54,7 +54,7 @@ def cmd_submit(args) -> int:
     from hpcrl.slurm.submit import submit_hetjob
 
     spec, job = _load(args)
-    handle = submit_hetjob(job, args.via, resume=args.resume, spec_data=spec.model_dump(mode="json"),
+    handle = submit_hetjob(job, args.via, resume=args.resume, spec_data=spec.as_data(),
                            dry_run=args.dry_run)
     if args.dry_run:
         sys.stdout.write(handle)
@@ -72,7 +72,45 @@ def cmd_submit(args) -> int:
     states = handle.wait(on_change=show)
     if handle.submitit_job is not None and states.get(0) == "COMPLETED":
         print(f"result: {handle.result()}")
+    _print_metrics(handle.run_dir)
     return 0 if all(s == "COMPLETED" for s in states.values()) else 1
+
+
+def _print_metrics(run_dir) -> None:
+    from hpcrl.metrics import read_metrics, reward_table
+
+    path = run_dir / "metrics.jsonl"
+    records = read_metrics(path)
+    if records:
+        print(f"metrics: {path}\n{reward_table(records)}")
+
+
+def cmd_run(args) -> int:
+    """The training loop of a spec on this machine: one local Ray node carrying every role."""
+    import ray
+
+    from hpcrl.config import PPOConfig
+    from hpcrl.raycluster.session import start_local
+    from hpcrl.trainer import train
+
+    if not args.local:
+        raise SpecError(["hpcrl run needs --local (on a cluster use `hpcrl submit`)"], args.spec)
+    spec, _ = _load(args)
+    if not spec.train:
+        raise SpecError(["train: empty; there is nothing to run (see hpcrl/config.py for the settings)"], args.spec)
+    cfg = PPOConfig.from_dict(spec.train)
+    run_dir = spec.run_dir
+    if (run_dir / "metrics.jsonl").exists():
+        raise SpecError([f"run_dir: {run_dir} already holds a run (metrics.jsonl); choose a new --run-dir"], args.spec)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"run dir {run_dir}; roles {', '.join(cfg.roles())} on one local Ray node", flush=True)
+    start_local(list(spec.roles), run_dir=run_dir, num_cpus=args.num_cpus)
+    try:
+        train(cfg, run_dir)
+    finally:
+        ray.shutdown()
+    _print_metrics(run_dir)
+    return 0
 
 
 def cmd_status(args) -> int:
@@ -131,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dry-run", action="store_true", help="validate and print the script; submit nothing")
     c.add_argument("--resume", action="store_true", help="continue the run in an existing run directory")
     c.set_defaults(fn=cmd_submit)
+    c = spec_cmd("run", "run the spec's training here, on a local Ray (no Slurm)")
+    c.add_argument("--local", action="store_true", help="one local Ray node carrying every role (required)")
+    c.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    c.set_defaults(fn=cmd_run)
     c = sub.add_parser("status", help="a run's Slurm state per component and its Ray nodes by role")
     c.add_argument("run_dir", help="run directory of a submitted job")
     c.set_defaults(fn=cmd_status)

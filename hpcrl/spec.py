@@ -145,6 +145,11 @@ class JobSpec(BaseModel):
             raise ValueError(f"role names {bad} must be letters, digits, '_', '.', '-'")
         return v
 
+    def as_data(self) -> dict:
+        """The spec as written (fields given, resolved run_dir): what RUN_DIR/spec.yaml holds and
+        the driver reads back with load_spec."""
+        return {**self.model_dump(mode="json", exclude_unset=True), "run_dir": str(self.run_dir)}
+
     def component_roles(self) -> list[list[str]]:
         """Roles grouped by hetjob component, components in spec order."""
         groups: dict[str, list[str]] = {}
@@ -168,6 +173,8 @@ class JobSpec(BaseModel):
         return HetJob(name=self.name, run_dir=self.run_dir, components=comps, requeue=self.requeue,
                       signal_lead_s=self.signal_lead, setup=list(self.setup), python=self.python or python,
                       env={"HPCRL_RAY_START_TIMEOUT": str(self.ray_start_timeout)},
+                      driver=("# the single controller: the PPO driver on this job's Ray cluster\n"
+                              f'{self.python or python} -m hpcrl.trainer "$HPCRL_RUN_DIR"') if self.train else "",
                       source_file=self._source)
 
 
@@ -201,6 +208,31 @@ def _check_roles(spec: JobSpec) -> list[str]:
             problems.append(f"{path}.gres: given together with gpus_per_node/gpu_type (use one of the two)")
         if r.gpu_type and not r.gpus_per_node:
             problems.append(f"{path}.gpu_type: set but gpus_per_node is 0 (set gpus_per_node: N)")
+    return problems
+
+
+def _check_train(spec: JobSpec) -> list[str]:
+    """The training settings, and that every role they run has a place to run."""
+    if not spec.train:
+        return []
+    from hpcrl.config import PPOConfig
+
+    try:
+        cfg = PPOConfig.from_dict(spec.train)
+    except ValueError as e:
+        return str(e).splitlines()
+    problems = [f"roles.{r}: missing; train needs it (advantage={cfg.advantage}, kl_coef={cfg.kl_coef}) — "
+                f"give it resources or same_nodes_as: <role>" for r in cfg.roles() if r not in spec.roles]
+    component = {m: i for i, members in enumerate(spec.component_roles()) for m in members}
+    for k, group in enumerate(cfg.colocate):
+        unknown = [r for r in group if r not in cfg.roles()]
+        if unknown:
+            problems.append(f"train.colocate[{k}]: {unknown} not among the roles this training runs {cfg.roles()}")
+        elif len({component.get(r) for r in group}) > 1:
+            problems.append(f"train.colocate[{k}]: {group} are in different Slurm components; colocated roles "
+                            f"need the same nodes (same_nodes_as: {group[0]})")
+    problems += [f"train.processes_per_node.{r}: not a role of this spec" for r in cfg.processes_per_node
+                 if r not in spec.roles]
     return problems
 
 
@@ -242,7 +274,7 @@ def parse_spec(data: Any, source: str = "spec", run_dir: str | Path | None = Non
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
         raise SpecError([_pydantic_problem(err) for err in e.errors()], source) from None
-    problems = _check_roles(spec)
+    problems = _check_roles(spec) or _check_train(spec)
     if problems:
         raise SpecError(problems, source)
     spec.run_dir = spec.run_dir.expanduser().resolve()

@@ -120,6 +120,7 @@ class HetJob:
     setup: list[str] = field(default_factory=list)
     python: str = "python3"
     env: dict[str, str] = field(default_factory=dict)  # exported at the top of the script
+    driver: str = ""     # shell line run in component 0 once every node's Ray has joined
     source_file: str = ""
 
     def members(self) -> dict[str, int]:

@@ -27,11 +27,11 @@ def component_table(job: HetJob) -> list[str]:
     return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
 
 
-def render_hetjob(job: HetJob, payload: str = "", signal: str | None = None) -> str:
-    """The batch script. `payload` runs after every component has reported its nodes; `signal` is the
+def render_hetjob(job: HetJob, payload: str | None = None, signal: str | None = None) -> str:
+    """The batch script. `payload` (default: the job's driver) runs once every node's Ray has joined; `signal` is the
     `--signal` value (default: USR1 to the batch shell `signal_lead` seconds before the time limit)."""
     from hpcrl import __version__
 
     return _environment().get_template("hetjob.sbatch.j2").render(
-        job=job, version=__version__, table=component_table(job), payload=payload.strip(),
+        job=job, version=__version__, table=component_table(job), payload=(job.driver if payload is None else payload).strip(),
         signal=signal or f"B:USR1@{job.signal_lead_s}")

@@ -241,4 +241,4 @@ def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, che
 def submit(spec, via: str = "sbatch", **kw) -> JobHandle:
     """Submit a JobSpec (see `hpcrl.load_spec`) as one heterogeneous job; returns its JobHandle."""
     job = spec.to_hetjob(python=shlex.quote(sys.executable))
-    return submit_hetjob(job, via, spec_data=spec.model_dump(mode="json"), **kw)
+    return submit_hetjob(job, via, spec_data=spec.as_data(), **kw)

@@ -1,0 +1,82 @@
+"""PPO's policy and value losses, entropy, and how token losses become one number."""
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float | None = None,
+              total_seqs: float | None = None) -> torch.Tensor:
+    """Per-token losses (B, T) → a scalar.
+
+        token-mean           Σ loss·m / N_tokens
+        seq-mean-token-sum   Σ_seq (Σ_t loss·m) / N_seqs
+        seq-mean-token-mean  Σ_seq (Σ_t loss·m / Σ_t m) / N_seqs
+
+    N_tokens and N_seqs are those of the whole mini-batch across micro-batches and data-parallel
+    ranks (given by the training engine), so splitting a mini-batch does not change its loss; they
+    default to this piece's own counts."""
+    m = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return (loss * m).sum() / (m.sum() if total_tokens is None else total_tokens)
+    n_seqs = loss.shape[0] if total_seqs is None else total_seqs
+    if mode == "seq-mean-token-sum":
+        return (loss * m).sum(dim=1).sum() / n_seqs
+    if mode == "seq-mean-token-mean":
+        return ((loss * m).sum(dim=1) / m.sum(dim=1).clamp_min(1)).sum() / n_seqs
+    raise ValueError(f"unknown loss aggregation {mode!r}: use one of {AGG_MODES}")
+
+
+def policy_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
+                agg="token-mean", total_tokens=None, total_seqs=None):
+    """Clipped surrogate (Schulman et al. 2017) with separate low/high ε and dual clip (Ye et al. 2020):
+
+        ρ = exp(clamp(log π − log π_old, −20, 20))
+        L = max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))
+        if A < 0 and dual_clip c > 1:  L = min(L, −A·c)
+
+    Returns (loss, stats) with stats clipfrac (share of valid tokens where the ε clip was active),
+    approx_kl (mean of −log ρ) and dual_clipfrac."""
+    log_ratio = (log_probs - old_log_probs).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    clipped = torch.maximum(loss1, loss2)
+    dual = torch.zeros_like(clipped, dtype=torch.bool)
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        loss3 = -advantages * dual_clip
+        dual = (advantages < 0) & (loss3 < clipped)
+        clipped = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
+    loss = aggregate(clipped, mask, agg, total_tokens, total_seqs)
+    m = mask.to(log_probs.dtype)
+    with torch.no_grad():
+        stats = {"clipfrac": _frac(loss2 > loss1, m), "approx_kl": float((-log_ratio * m).sum() / m.sum().clamp_min(1)),
+                 "dual_clipfrac": _frac(dual, m)}
+    return loss, stats
+
+
+def value_loss(values, old_values, returns, mask, clip=None, agg="token-mean", total_tokens=None, total_seqs=None):
+    """½·max((V − R)², (V_clip − R)²), V_clip = V_old + clip(V − V_old, −c, c) (no clip when c is None).
+    Returns (loss, stats) with clipfrac (share of tokens where the clipped error was larger)."""
+    err = (values - returns).square()
+    if clip is None:
+        per_token, frac_mask = err, torch.zeros_like(err, dtype=torch.bool)
+    else:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        err_clip = (v_clip - returns).square()
+        per_token, frac_mask = torch.maximum(err, err_clip), err_clip > err
+    loss = 0.5 * aggregate(per_token, mask, agg, total_tokens, total_seqs)
+    return loss, {"clipfrac": _frac(frac_mask, mask.to(values.dtype))}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) − Σ softmax(z)·z, per position."""
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(dim=-1)
+
+
+def _frac(flags: torch.Tensor, m: torch.Tensor) -> float:
+    return float((flags.to(m.dtype) * m).sum() / m.sum().clamp_min(1))

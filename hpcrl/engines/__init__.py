@@ -1,0 +1,5 @@
+"""Engines behind one small interface each: rollout (generate) and training (train_step)."""
+from hpcrl.engines.rollout_torch import SamplingParams, TorchRollout
+from hpcrl.engines.train_torch import OptimConfig, TorchTrainer
+
+__all__ = ["SamplingParams", "TorchRollout", "OptimConfig", "TorchTrainer"]

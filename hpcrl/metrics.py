@@ -1,0 +1,40 @@
+"""RUN_DIR/metrics.jsonl: one JSON object per training step, appended and flushed as it happens."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+class MetricsLog:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_metrics(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def reward_table(records: list[dict], first: int = 3, last: int = 3) -> str:
+    """The first and last steps' reward, KL and response length, as a small text table."""
+    if not records:
+        return "no steps recorded"
+    rows = records if len(records) <= first + last else records[:first] + [None] + records[-last:]
+    lines = [f"{'step':>6} {'reward/mean':>12} {'reward/max':>11} {'kl':>9} {'resp_len':>9} {'tokens/s':>9}"]
+    for r in rows:
+        if r is None:
+            lines.append(f"{'...':>6}")
+            continue
+        lines.append(f"{r['step']:>6} {r['reward/mean']:>12.3f} {r['reward/max']:>11.3f} {r.get('kl', 0.0):>9.4f} "
+                     f"{r['response_length/mean']:>9.2f} {r['throughput/tokens_per_s']:>9.0f}")
+    return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""Critic: the policy's backbone with a scalar value head."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hpcrl.models.causal_lm import position_ids
+
+
+class ValueModel(torch.nn.Module):
+    """V(prefix) for every position. Backbone and head from a causal LM directory (the actor's: a
+    fresh head) or from a sequence-scoring reward model directory (its score head as the start)."""
+
+    def __init__(self, model_dir: Path):
+        super().__init__()
+        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        self.backbone = AutoModel.from_pretrained(model_dir, local_files_only=True)
+        self.head = torch.nn.Linear(cfg.hidden_size, 1)
+        if any("ForSequenceClassification" in a for a in (cfg.architectures or [])):
+            scorer = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True)
+            self.head.weight.data.copy_(scorer.score.weight.data[:1])
+            self.head.bias.data.zero_()
+        else:
+            torch.nn.init.normal_(self.head.weight, std=1.0 / (cfg.hidden_size + 1) ** 0.5)
+            torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                               position_ids=position_ids(attention_mask)).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
+
+
+def response_values(model: ValueModel, input_ids, attention_mask, response_len: int) -> torch.Tensor:
+    """V_t for response token t: the value of the prefix that precedes it."""
+    return model(input_ids, attention_mask)[:, -response_len - 1:-1]

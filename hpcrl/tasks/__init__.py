@@ -1,0 +1,1 @@
+"""Synthetic tasks that ship with hpcrl: a prompt generator and a rule reward each."""

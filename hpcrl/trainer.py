@@ -1,0 +1,230 @@
+"""The PPO driver: the single controller, and the only code that knows the order of the phases.
+
+Per step:
+    prompts ──► actor_rollout.generate_sequences ──► (one future, not fetched yet)
+                  ├─► actor_rollout.compute_log_prob   (old log-probs, recomputed by the trainer)
+                  ├─► ref.compute_ref_log_prob          } issued at once, on their own
+                  ├─► critic.compute_values             } processes and nodes; the batch goes
+                  └─► reward.compute_scores             } rank to rank, not via the driver
+    advantages on the driver (KL-shaped token rewards, GAE or GRPO)
+    critic.update_critic ─► actor_rollout.update_actor (after critic_warmup) ─► weights to rollout
+
+Run inside a job: `python -m hpcrl.trainer RUN_DIR` (what the rendered hetjob script does), or
+locally: `hpcrl run SPEC --local`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpcrl import algo
+from hpcrl.config import PPOConfig
+from hpcrl.controller import ResourcePool, WorkerGroup
+from hpcrl.data import PromptDataset
+from hpcrl.metrics import MetricsLog
+from hpcrl.models import CharTokenizer, create_model_dir
+from hpcrl.protocol import Batch
+from hpcrl.tasks import copy as copy_task
+from hpcrl.workers import ActorRollout, Critic, Reference, RewardModel, RuleReward
+
+
+def prepare_inputs(cfg: PPOConfig, run_dir: Path) -> tuple[Path, Path]:
+    """The model and prompts every role reads: given by the config, or built once into the run dir."""
+    tok = CharTokenizer(copy_task.ALPHABET)
+    model_dir = Path(cfg.model_dir) if cfg.model_dir else create_model_dir(
+        run_dir / "model", tok, cfg.seed, hidden_size=cfg.hidden_size, layers=cfg.layers, heads=cfg.heads)
+    prompts = Path(cfg.dataset) if cfg.dataset else run_dir / "prompts.jsonl"
+    if not cfg.dataset and not prompts.exists():
+        copy_task.write_prompts(prompts, cfg.task_prompts, cfg.task_digits, cfg.seed)
+    return model_dir, prompts
+
+
+def build_worker_groups(cfg: PPOConfig, model_dir: Path, log_dir: Path) -> dict[str, WorkerGroup]:
+    """One WorkerGroup per role, on the nodes labelled with that role; colocated roles share processes."""
+    conf = dataclasses.asdict(cfg)
+    workers = {"actor_rollout": (ActorRollout, (str(model_dir), conf), {}),
+               "critic": (Critic, (str(model_dir), conf), {}),
+               "ref": (Reference, (str(model_dir), conf), {}),
+               "reward": ((RewardModel, (cfg.reward_model_dir,), {}) if cfg.reward_model_dir
+                          else (RuleReward, (str(model_dir), cfg.reward_fn), {}))}
+    workers = {r: w for r, w in workers.items() if r in cfg.roles()}
+    opts = {"log_dir": log_dir, "restart_limit": cfg.restart_limit, "standby": cfg.standby}
+    groups: dict[str, WorkerGroup] = {}
+    for together in cfg.colocate:
+        pool = ResourcePool.for_role(together[0], cfg.processes_per_node.get(together[0]), len(together))
+        groups.update(WorkerGroup.colocated(pool, {r: workers[r] for r in together}, **opts))
+    for role, (cls, args, kwargs) in workers.items():
+        if role not in groups:
+            pool = ResourcePool.for_role(role, cfg.processes_per_node.get(role))
+            groups[role] = WorkerGroup(pool, cls, args, kwargs, **opts)
+    return groups
+
+
+def compute_advantages(batch: Batch, cfg: PPOConfig, kl_ctl) -> dict:
+    """Adds token_rewards, advantages, returns to batch; returns the KL metrics."""
+    mask = batch["response_mask"].float()
+    scores = batch["scores"].float() - cfg.missing_eos_penalty * (~batch["has_eos"]).float()
+    kl = None
+    if cfg.uses_ref:
+        kl = algo.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], cfg.kl_estimator) * mask
+    beta = kl_ctl.value if cfg.kl_in_reward else 0.0
+    rewards = algo.token_level_rewards(scores, kl, mask, beta)
+    if cfg.advantage == "gae":
+        adv, ret = algo.gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            adv = algo.masked_whiten(adv, mask)
+    else:
+        adv = algo.grpo_advantages(rewards.sum(dim=1), torch.as_tensor(batch["group"].astype(np.int64)), mask)
+        ret = adv
+    batch["token_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
+    current_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
+    kl_ctl.update(current_kl, len(batch))
+    return {"kl": current_kl, "kl_coef": beta if cfg.kl_in_reward else cfg.kl_coef}
+
+
+def pad_for_ranks(batch: Batch, world_size: int) -> Batch:
+    """Equal shards for every rank (DDP needs the same number of steps everywhere): pad with copies
+    whose response_mask is 0, so they add nothing to any loss."""
+    padded, padding = batch.pad_to_multiple(world_size)
+    if padding.pad:
+        mask = padded["response_mask"].clone()
+        mask[padding.size:] = 0
+        padded["response_mask"] = mask
+    return padded
+
+
+def explained_variance(values, returns, mask) -> float:
+    m = mask.bool()
+    var = torch.var(returns[m])
+    return float(1 - torch.var(returns[m] - values[m]) / var) if var > 0 else float("nan")
+
+
+class _Timer:
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.times[f"timing/{phase}"] = round(time.perf_counter() - t0, 4)
+
+
+def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None) -> list[dict]:
+    run_dir = Path(run_dir)
+    model_dir, prompts_path = prepare_inputs(cfg, run_dir)
+    groups = groups or build_worker_groups(cfg, model_dir, run_dir / "logs")
+    actor, critic, ref, reward = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "reward"))
+    dataset = PromptDataset(prompts_path, CharTokenizer.load(model_dir), cfg.batch_size, cfg.seed)
+    kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
+              else algo.FixedKLController(cfg.kl_coef))
+    log = MetricsLog(run_dir / "metrics.jsonl")
+    history = []
+    bar = _progress(cfg)
+    for step in range(1, cfg.total_steps + 1):
+        timer, t_step = _Timer(), time.perf_counter()
+
+        # 1. rollout, then everything that only reads the rollout, issued together as futures
+        prompts = dataset.next_batch()
+        if cfg.n_samples > 1:
+            prompts = prompts.repeat(cfg.n_samples)
+            prompts["group"] = np.repeat(np.arange(cfg.batch_size), cfg.n_samples)
+        prompts.meta["step"] = step
+        with timer("generate"):
+            gen = actor.generate_sequences.future(prompts)
+            batch = gen.result()
+        with timer("score"):
+            futures = [actor.compute_log_prob.future(gen), reward.compute_scores.future(gen)]
+            futures += [ref.compute_ref_log_prob.future(gen)] if ref else []
+            futures += [critic.compute_values.future(gen)] if critic else []
+            for f in futures:
+                batch = batch.union(f.result())
+
+        # 2. advantages, on the driver
+        with timer("advantage"):
+            kl_metrics = compute_advantages(batch, cfg, kl_ctl)
+
+        # 3. updates: critic first, then actor, then the new weights to the rollout engine
+        critic_stats, actor_stats = {}, {}
+        if critic:
+            with timer("update_critic"):
+                critic_stats = critic.update_critic(pad_for_ranks(batch, critic.world_size))[0]
+        if step > cfg.critic_warmup:
+            with timer("update_actor"):
+                actor_stats = actor.update_actor(pad_for_ranks(batch, actor.world_size))[0]
+            with timer("sync_weights"):
+                actor.sync_rollout_weights()
+
+        mask = batch["response_mask"]
+        step_s = time.perf_counter() - t_step
+        tokens = int(mask.sum() + batch["prompt_mask"].sum())
+        record = {"step": step, "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
+                  **kl_metrics,
+                  "actor/pg_loss": actor_stats.get("pg_loss"), "actor/clipfrac": actor_stats.get("clipfrac"),
+                  "actor/entropy": float(algo.masked_mean(batch["entropy"], mask)),
+                  "actor/approx_kl": actor_stats.get("approx_kl"), "actor/grad_norm": actor_stats.get("grad_norm"),
+                  "critic/vf_loss": critic_stats.get("vf_loss"),
+                  "critic/vf_explained_var": explained_variance(batch["values"], batch["returns"], mask) if critic else None,
+                  "response_length/mean": float(mask.sum(dim=1).float().mean()),
+                  **timer.times, "timing/step": round(step_s, 4), "throughput/tokens_per_s": round(tokens / step_s, 1)}
+        log.write(record)
+        history.append(record)
+        bar(record)
+    return history
+
+
+def _progress(cfg: PPOConfig):
+    """tqdm on a terminal; a plain line every 10 steps in a Slurm log."""
+    if not cfg.progress:
+        return lambda record: None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.total_steps, desc="ppo", unit="step")
+
+        def show(r):
+            bar.update(1)
+            bar.set_postfix(reward=f"{r['reward/mean']:.3f}", kl=f"{r['kl']:.4f}", tok_s=f"{r['throughput/tokens_per_s']:.0f}")
+            if r["step"] == cfg.total_steps:
+                bar.close()
+        return show
+
+    def line(r):
+        if r["step"] % 10 == 0 or r["step"] in (1, cfg.total_steps):
+            print(f"step {r['step']}/{cfg.total_steps} reward {r['reward/mean']:.3f} kl {r['kl']:.4f} "
+                  f"tokens/s {r['throughput/tokens_per_s']:.0f}", flush=True)
+    return line
+
+
+def main(argv=None) -> int:
+    """`python -m hpcrl.trainer RUN_DIR`: the driver inside a job, on the job's own Ray cluster."""
+    import argparse
+
+    import ray
+
+    from hpcrl.metrics import reward_table
+    from hpcrl.raycluster import connect
+    from hpcrl.spec import load_spec
+
+    ap = argparse.ArgumentParser(prog="python -m hpcrl.trainer", description=main.__doc__)
+    ap.add_argument("run_dir", type=Path)
+    args = ap.parse_args(argv)
+    spec = load_spec(args.run_dir / "spec.yaml", run_dir=args.run_dir)
+    cfg = PPOConfig.from_dict(spec.train)
+    connect(args.run_dir)
+    try:
+        history = train(cfg, args.run_dir)
+    finally:
+        ray.shutdown()
+    print(f"metrics: {args.run_dir / 'metrics.jsonl'}\n{reward_table(history)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

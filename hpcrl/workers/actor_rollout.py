@@ -1,0 +1,75 @@
+"""ActorRollout: the policy. Samples responses, recomputes their log-probs, takes PPO steps."""
+from __future__ import annotations
+
+import torch
+
+from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
+from hpcrl.config import PPOConfig
+from hpcrl.controller import Dispatch, Worker, register
+from hpcrl.engines import SamplingParams, TorchRollout, TorchTrainer
+from hpcrl.models import CharTokenizer, load_causal_lm, response_log_probs
+from hpcrl.protocol import Batch
+from hpcrl.workers.common import local_share, optim_config, ppo_updates
+
+
+class ActorRollout(Worker):
+    def __init__(self, model_dir: str, cfg: dict):
+        self.cfg = PPOConfig(**cfg)
+        torch.manual_seed(self.cfg.seed + self.rank)
+        self.model = load_causal_lm(model_dir)
+        tok = CharTokenizer.load(model_dir)
+        self.rollout = TorchRollout(self.model, tok.pad_id, [tok.eos_id])
+        self.engine = TorchTrainer(self.model, optim_config(self.cfg, self.cfg.actor_lr))
+        self.sampling = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k)
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """prompt_ids/prompt_mask -> + responses, response_mask, has_eos, input_ids, attention_mask."""
+        step = int(prompts.meta.get("step", 0))
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + self.rank)
+        out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], self.sampling, gen)
+        out["input_ids"] = torch.cat([prompts["prompt_ids"], out["responses"]], dim=1)
+        out["attention_mask"] = torch.cat([prompts["prompt_mask"], out["response_mask"]], dim=1)
+        return prompts.union(Batch(out, meta=prompts.meta))
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """log π_old of the sampled tokens, recomputed by the training model (not the sampler's)."""
+        self.model.eval()
+        with torch.no_grad():
+            logp, ent = response_log_probs(self.model, batch["input_ids"], batch["attention_mask"], batch["responses"],
+                                           self.cfg.temperature, with_entropy=True)
+        return Batch({"old_log_probs": logp, "entropy": ent})
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_actor(self, batch: Batch) -> dict:
+        step = int(batch.meta.get("step", 0))
+        return ppo_updates(self.engine, batch, self.cfg, self.world_size, [self.cfg.seed, step, self.rank, 1], self._loss)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> None:
+        """The torch rollout engine samples from the training module itself: nothing to copy."""
+
+    def _loss(self, module, mb: Batch, total_tokens: float, total_seqs: float):
+        cfg, mask = self.cfg, mb["response_mask"]
+        logp, ent = response_log_probs(module, mb["input_ids"], mb["attention_mask"], mb["responses"],
+                                       cfg.temperature, with_entropy=True)
+        pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_low, cfg.clip_high,
+                                cfg.dual_clip or None, cfg.loss_agg_mode, total_tokens, total_seqs)
+        loss = pg
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.loss_agg_mode, total_tokens, total_seqs)
+        share = local_share(mask, total_tokens)
+        stats.update(pg_loss=float(pg) / share, entropy=float(masked_mean(ent.detach(), mask)))
+        if cfg.kl_loss and cfg.kl_coef:
+            kl = kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_estimator)
+            kl_loss = aggregate(kl, mask, cfg.loss_agg_mode, total_tokens, total_seqs)
+            loss = loss + cfg.kl_coef * kl_loss
+            stats["kl_loss"] = float(kl_loss) / share
+        return loss, stats
+
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
