@@ -1,8 +1,8 @@
 """The single-controller runtime: one driver, one WorkerGroup of Ray actors per role."""
 from hpcrl.controller.dispatch import Dispatch, DispatchMode, register, register_dispatch
 from hpcrl.controller.resource_pool import ResourcePool, ResourcePoolError
-from hpcrl.controller.worker import Worker
+from hpcrl.controller.worker import Worker, local_worker
 from hpcrl.controller.worker_group import GroupFuture, RoleRestartLimit, WorkerGroup
 
 __all__ = ["Dispatch", "DispatchMode", "register", "register_dispatch", "ResourcePool", "ResourcePoolError",
-           "Worker", "WorkerGroup", "GroupFuture", "RoleRestartLimit"]
+           "Worker", "local_worker", "WorkerGroup", "GroupFuture", "RoleRestartLimit"]

@@ -117,6 +117,7 @@ class WorkerHost:
                                 rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         for role, (cls, args, kwargs) in workers.items():
             self.current = role
+            print(f"rank {rank} of {world_size} on node {ray.util.get_node_ip_address()}, pid {os.getpid()}, {device}")
             worker = cls.__new__(cls)
             worker._ctx = WorkerContext(role, rank, world_size, device)
             worker.__init__(*args, **kwargs)
@@ -133,3 +134,11 @@ class WorkerHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def local_worker(cls: type, *args, role: str = "local", **kwargs) -> Worker:
+    """A Worker in this process as rank 0 of 1, without Ray (tests, notebooks, debugging a role)."""
+    worker = cls.__new__(cls)
+    worker._ctx = WorkerContext(role, 0, 1, "cuda:0" if torch.cuda.is_available() else "cpu")
+    worker.__init__(*args, **kwargs)
+    return worker

@@ -1,6 +1,7 @@
 """Rollout in plain torch: batched sampling with a KV cache."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 class TorchRollout:
     def __init__(self, model, pad_id: int, eos_ids: list[int]):
         self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
+        # transformers 5 renamed past_key_values to cache (in and out); 4.x has the old name
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _forward(self, cache, **inputs):
+        out = self.model(**inputs, **({self.cache_kw: cache} if cache is not None else {}), use_cache=True)
+        return out[self.cache_kw], out.logits[:, -1]
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
@@ -43,8 +50,7 @@ class TorchRollout:
         self.model.eval()
         b = prompt_ids.shape[0]
         mask = prompt_mask.long()
-        out = self.model(input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        cache, logits = self._forward(None, input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids(mask))
         next_pos = mask.sum(dim=1, keepdim=True)
         tokens, logps = [], []
         done = torch.zeros(b, dtype=torch.bool)
@@ -59,9 +65,8 @@ class TorchRollout:
             if bool(done.all()):
                 break
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype)], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
-            cache, logits, next_pos = out.past_key_values, out.logits[:, -1], next_pos + 1
+            cache, logits = self._forward(cache, input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos)
+            next_pos = next_pos + 1
         responses = torch.stack(tokens, dim=1)
         pad = params.max_new_tokens - responses.shape[1]    # all stopped early: same width every call
         responses = torch.nn.functional.pad(responses, (0, pad), value=self.pad_id)

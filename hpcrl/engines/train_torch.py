@@ -73,7 +73,7 @@ class TorchTrainer:
                 loss, stats = loss_fn(self.wrapped, mb, total_tokens, total_seqs)
                 (loss * self.world).backward()   # DDP averages over ranks; undo it, the loss is a share of the total
             share = float(mb[mask_key].sum()) / max(total_tokens, 1.0)
-            sums["loss"] = sums.get("loss", 0.0) + float(loss)
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v * share
         grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)

@@ -60,7 +60,7 @@ class ActorRollout(Worker):
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.loss_agg_mode, total_tokens, total_seqs)
         share = local_share(mask, total_tokens)
-        stats.update(pg_loss=float(pg) / share, entropy=float(masked_mean(ent.detach(), mask)))
+        stats.update(pg_loss=float(pg.detach()) / share, entropy=float(masked_mean(ent.detach(), mask)))
         if cfg.kl_loss and cfg.kl_coef:
             kl = kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_estimator)
             kl_loss = aggregate(kl, mask, cfg.loss_agg_mode, total_tokens, total_seqs)

@@ -37,7 +37,7 @@ class Critic(Worker):
         values = response_values(module, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1])
         loss, stats = value_loss(values, mb["values"], mb["returns"], mask, self.cfg.vf_clip or None,
                                  self.cfg.loss_agg_mode, total_tokens, total_seqs)
-        return loss, {"vf_loss": float(loss) / local_share(mask, total_tokens), "vf_clipfrac": stats["clipfrac"]}
+        return loss, {"vf_loss": float(loss.detach()) / local_share(mask, total_tokens), "vf_clipfrac": stats["clipfrac"]}
 
     def state_dict(self) -> dict:
         return self.engine.state_dict()
