@@ -100,8 +100,9 @@ def cmd_run(args) -> int:
         raise SpecError(["train: empty; there is nothing to run (see hpcrl/config.py for the settings)"], args.spec)
     cfg = PPOConfig.from_dict(spec.train)
     run_dir = spec.run_dir
-    if (run_dir / "metrics.jsonl").exists():
-        raise SpecError([f"run_dir: {run_dir} already holds a run (metrics.jsonl); choose a new --run-dir"], args.spec)
+    if (run_dir / "metrics.jsonl").exists() and not args.resume:
+        raise SpecError([f"run_dir: {run_dir} already holds a run (metrics.jsonl); add --resume to continue it "
+                         "from its newest checkpoint, or choose a new --run-dir"], args.spec)
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"run dir {run_dir}; roles {', '.join(cfg.roles())} on one local Ray node", flush=True)
     start_local(list(spec.roles), run_dir=run_dir, num_cpus=args.num_cpus)
@@ -145,6 +146,34 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_ckpt(args) -> int:
+    """Committed steps of a run, or the verification of one step (or all)."""
+    from pathlib import Path
+
+    from hpcrl.checkpoint import CheckpointStore
+
+    store = CheckpointStore(Path(args.run_dir), keep_last=0)
+    steps = store.committed_steps()
+    if not steps:
+        print(f"{store.root}: no committed checkpoint")
+        return 1
+    if args.action == "ls":
+        print(f"{'step':>8} {'status':8} {'MB':>8}  roles (file)")
+        for step in steps:
+            m = store.manifest(step)
+            status = "ok" if not store.verify(step) else "BAD"
+            mb = sum(i["bytes"] for i in m["roles"].values()) / 2**20
+            roles = ", ".join(f"{r} ({i['path']})" for r, i in m["roles"].items())
+            print(f"{step:>8} {status:8} {mb:>8.1f}  {roles}")
+        return 0
+    bad = 0
+    for step in [args.step] if args.step is not None else steps:
+        problems = store.verify(step)
+        bad += bool(problems)
+        print(f"step {step}: " + ("ok" if not problems else "BAD\n  - " + "\n  - ".join(problems)))
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpcrl", description="Slurm-native multi-controller RLHF (PPO).")
     p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
@@ -172,7 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = spec_cmd("run", "run the spec's training here, on a local Ray (no Slurm)")
     c.add_argument("--local", action="store_true", help="one local Ray node carrying every role (required)")
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
+    c.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
     c.set_defaults(fn=cmd_run)
+    c = sub.add_parser("ckpt", help="a run's checkpoints: ls (steps, sizes, roles, status) or verify [STEP]")
+    c.add_argument("action", choices=["ls", "verify"])
+    c.add_argument("run_dir", help="run directory")
+    c.add_argument("step", nargs="?", type=int, help="verify only this step")
+    c.set_defaults(fn=cmd_ckpt)
     c = sub.add_parser("status", help="a run's Slurm state per component and its Ray nodes by role")
     c.add_argument("run_dir", help="run directory of a submitted job")
     c.set_defaults(fn=cmd_status)

@@ -109,6 +109,16 @@ class PPOConfig:
     critic_warmup: int = 0
     """steps that train only the critic"""
 
+    # --- checkpoints
+    save_every: int = 0
+    """steps between checkpoints (0: only when stopped by a signal or the deadline, and at the end)"""
+    keep_last: int = 3
+    """committed steps kept (older ones are deleted once a newer one is committed)"""
+    keep_every: int = 0
+    """also keep every step that is a multiple of this (0: none)"""
+    async_save: bool = False
+    """write the periodic checkpoints on a background thread while training goes on"""
+
     # --- layout and fault tolerance
     colocate: list[list[str]] = field(default_factory=list)
     """groups of roles that share one process per rank, e.g. [[actor_rollout, ref]]"""

@@ -18,6 +18,16 @@ class MetricsLog:
             os.fsync(f.fileno())
 
 
+    def size(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def truncate(self, size: int) -> None:
+        """Drop what was written after a checkpoint, so a resumed run appends where it stands."""
+        if self.path.exists() and self.path.stat().st_size > size:
+            with open(self.path, "r+") as f:
+                f.truncate(size)
+
+
 def read_metrics(path: Path) -> list[dict]:
     path = Path(path)
     if not path.exists():

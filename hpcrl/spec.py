@@ -172,9 +172,10 @@ class JobSpec(BaseModel):
                 members=members, source=f"roles.{members[0]}"))
         return HetJob(name=self.name, run_dir=self.run_dir, components=comps, requeue=self.requeue,
                       signal_lead_s=self.signal_lead, setup=list(self.setup), python=self.python or python,
-                      env={"HPCRL_RAY_START_TIMEOUT": str(self.ray_start_timeout)},
-                      driver=("# the single controller: the PPO driver on this job's Ray cluster\n"
-                              f'{self.python or python} -m hpcrl.trainer "$HPCRL_RUN_DIR"') if self.train else "",
+                      env={"HPCRL_RAY_START_TIMEOUT": str(self.ray_start_timeout),
+                           "HPCRL_SIGNAL_LEAD": str(self.signal_lead), "HPCRL_MAX_RESTARTS": str(self.max_restarts),
+                           "HPCRL_REQUEUE": "1" if self.requeue else "0"},
+                      driver=f'{self.python or python} -m hpcrl.trainer "$HPCRL_RUN_DIR"' if self.train else "",
                       source_file=self._source)
 
 

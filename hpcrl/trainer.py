@@ -15,6 +15,7 @@ locally: `hpcrl run SPEC --local`.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from hpcrl import algo
+from hpcrl.checkpoint import CheckpointStore
 from hpcrl.config import PPOConfig
 from hpcrl.controller import ResourcePool, WorkerGroup
 from hpcrl.data import PromptDataset
@@ -105,6 +107,86 @@ def explained_variance(values, returns, mask) -> float:
     return float(1 - torch.var(returns[m] - values[m]) / var) if var > 0 else float("nan")
 
 
+class StopRequest:
+    """Why the driver should stop at the end of this step: SIGUSR1/SIGTERM (forwarded by the batch
+    script from Slurm: time limit near, or preemption), or HPCRL_DEADLINE (epoch seconds) passed."""
+
+    def __init__(self, deadline: float | None = None):
+        self.reason: str | None = None
+        self.deadline = deadline
+
+    def install(self) -> None:
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, lambda s, _: setattr(self, "reason", self.reason or signal.Signals(s).name))
+
+    def check(self) -> str | None:
+        if self.reason is None and self.deadline and time.time() >= self.deadline:
+            self.reason = "deadline"
+        return self.reason
+
+
+class RoleCheckpoints:
+    """The driver's half of checkpointing: every role writes its own file, the driver commits the
+    step with a manifest once all have succeeded. Frozen roles are written once."""
+
+    def __init__(self, store: CheckpointStore, groups: dict[str, WorkerGroup], background: bool):
+        self.store, self.groups, self.background = store, groups, background
+        self.frozen = {r: wg.worker_cls.frozen for r, wg in groups.items()}
+        self.written: dict[str, dict] = {}          # frozen role -> its one file
+        self.pending: tuple | None = None           # a background save not committed yet
+        for role, wg in groups.items():
+            wg.on_restart(lambda role=role: self.restore_role(role))
+
+    def save(self, step: int, driver_state: dict, background: bool = False) -> None:
+        self.finish()
+        background = background and self.background
+        files, futures = {}, {}
+        for role, wg in self.groups.items():
+            if self.frozen[role] and role in self.written:
+                files[role] = self.written[role]
+                continue
+            path = self.store.role_path(step, role)
+            futures[role] = (path, wg.save_checkpoint.future(str(path), step, background and not self.frozen[role]))
+        for role, (path, fut) in futures.items():
+            files[role] = {"path": str(path.relative_to(self.store.root)), **fut.result()[0]}
+            if self.frozen[role]:
+                self.written[role] = files[role]
+        self.pending = (step, files, driver_state)
+        if not background:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for background writes, then commit the step."""
+        if self.pending is None:
+            return
+        step, files, driver_state = self.pending
+        for role, info in files.items():
+            if info.pop("pending", False):
+                info.update(self.groups[role].finish_checkpoint())
+        self.store.commit(step, files, driver_state)
+        self.pending = None
+
+    def resume(self) -> tuple[int, dict] | None:
+        found = self.store.latest_good()
+        if found is None:
+            return None
+        step, manifest = found
+        futures = [self.groups[r].load_checkpoint.future(str(self.store.root / info["path"]))
+                   for r, info in manifest["roles"].items() if r in self.groups]
+        for f in futures:
+            f.result()
+        self.written = {r: info for r, info in manifest["roles"].items() if self.frozen.get(r)}
+        return step, manifest["driver"]
+
+    def restore_role(self, role: str) -> None:
+        """After a role was rebuilt: its file from the newest committed step, if there is one."""
+        steps = self.store.committed_steps()
+        if steps:
+            info = self.store.manifest(steps[-1])["roles"].get(role)
+            if info:
+                self.groups[role].load_checkpoint(str(self.store.root / info["path"]))
+
+
 class _Timer:
     def __init__(self):
         self.times: dict[str, float] = {}
@@ -116,8 +198,12 @@ class _Timer:
         self.times[f"timing/{phase}"] = round(time.perf_counter() - t0, 4)
 
 
-def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None) -> list[dict]:
+def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
+          stop: StopRequest | None = None) -> tuple[list[dict], str | None]:
+    """Train to cfg.total_steps, resuming from the run's newest good checkpoint. Returns (this
+    call's metrics records, why it stopped early or None)."""
     run_dir = Path(run_dir)
+    stop = stop or StopRequest()
     model_dir, prompts_path = prepare_inputs(cfg, run_dir)
     groups = groups or build_worker_groups(cfg, model_dir, run_dir / "logs")
     actor, critic, ref, reward = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "reward"))
@@ -125,9 +211,18 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
               else algo.FixedKLController(cfg.kl_coef))
     log = MetricsLog(run_dir / "metrics.jsonl")
+    checkpoints = RoleCheckpoints(CheckpointStore(run_dir, cfg.keep_last, cfg.keep_every), groups, cfg.async_save)
+    start = 0
+    resumed = checkpoints.resume()
+    if resumed:
+        start, state = resumed
+        dataset.load_state_dict(state["dataset"])
+        kl_ctl.value = state["kl_coef"]
+        log.truncate(state["metrics_bytes"])   # steps after the checkpoint are done again
+        print(f"resumed from checkpoint step {start} ({run_dir / 'ckpt'})", flush=True)
     history = []
-    bar = _progress(cfg)
-    for step in range(1, cfg.total_steps + 1):
+    bar = _progress(cfg, start)
+    for step in range(start + 1, cfg.total_steps + 1):
         timer, t_step = _Timer(), time.perf_counter()
 
         # 1. rollout, then everything that only reads the rollout, issued together as futures
@@ -176,17 +271,28 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
         log.write(record)
         history.append(record)
         bar(record)
-    return history
+
+        # 4. checkpoint: periodically, at the end, and when asked to stop (then stop)
+        reason = stop.check()
+        if reason or step == cfg.total_steps or (cfg.save_every and step % cfg.save_every == 0):
+            checkpoints.save(step, {"step": step, "dataset": dataset.state_dict(), "kl_coef": kl_ctl.value,
+                                    "metrics_bytes": log.size()}, background=not reason and step < cfg.total_steps)
+        if reason:
+            checkpoints.finish()
+            print(f"stopped after step {step} ({reason}); checkpoint committed", flush=True)
+            return history, reason
+    checkpoints.finish()
+    return history, None
 
 
-def _progress(cfg: PPOConfig):
+def _progress(cfg: PPOConfig, start: int = 0):
     """tqdm on a terminal; a plain line every 10 steps in a Slurm log."""
     if not cfg.progress:
         return lambda record: None
     if sys.stderr.isatty():
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.total_steps, desc="ppo", unit="step")
+        bar = tqdm(total=cfg.total_steps, initial=start, desc="ppo", unit="step")
 
         def show(r):
             bar.update(1)
@@ -203,26 +309,34 @@ def _progress(cfg: PPOConfig):
 
 
 def main(argv=None) -> int:
-    """`python -m hpcrl.trainer RUN_DIR`: the driver inside a job, on the job's own Ray cluster."""
+    """`python -m hpcrl.trainer RUN_DIR`: the driver inside a job, on the job's own Ray cluster.
+    Exits 0 when training is done, EXIT_REQUEUE (3) when it stopped at a checkpoint to run again."""
     import argparse
+    import os
 
     import ray
 
-    from hpcrl.metrics import reward_table
+    from hpcrl.metrics import read_metrics, reward_table
     from hpcrl.raycluster import connect
     from hpcrl.spec import load_spec
+    from hpcrl.util import EXIT_REQUEUE
 
     ap = argparse.ArgumentParser(prog="python -m hpcrl.trainer", description=main.__doc__)
     ap.add_argument("run_dir", type=Path)
     args = ap.parse_args(argv)
+    stop = StopRequest(float(os.environ["HPCRL_DEADLINE"]) if os.environ.get("HPCRL_DEADLINE") else None)
+    stop.install()
     spec = load_spec(args.run_dir / "spec.yaml", run_dir=args.run_dir)
     cfg = PPOConfig.from_dict(spec.train)
     connect(args.run_dir)
     try:
-        history = train(cfg, args.run_dir)
+        _, reason = train(cfg, args.run_dir, stop=stop)
     finally:
         ray.shutdown()
-    print(f"metrics: {args.run_dir / 'metrics.jsonl'}\n{reward_table(history)}", flush=True)
+    if reason:
+        return EXIT_REQUEUE
+    print(f"metrics: {args.run_dir / 'metrics.jsonl'}\n{reward_table(read_metrics(args.run_dir / 'metrics.jsonl'))}",
+          flush=True)
     return 0
 
 

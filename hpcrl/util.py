@@ -31,3 +31,8 @@ def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+EXIT_REQUEUE = 3
+"""Exit status of a driver that stopped at a committed checkpoint (signal or deadline) and wants
+its job requeued; the batch script's requeue step acts on it."""

@@ -38,7 +38,8 @@ def check_components(job_id, expected=("a100", "h100", "cpu")):
 
 
 def test_sbatch_path_places_each_role_on_its_partition(slurm_cluster, tmp_path):
-    job = hpcrl.submit(hpcrl.load_spec(TINY, run_dir=tmp_path / "run"), via="sbatch")
+    ray_only = spec_file(tmp_path, train={})     # no training: the job ends once Ray was up everywhere
+    job = hpcrl.submit(hpcrl.load_spec(ray_only, run_dir=tmp_path / "run"), via="sbatch")
     states = job.wait(timeout=60)
     assert states == {0: "COMPLETED", 1: "COMPLETED", 2: "COMPLETED"}
     recs = check_components(job.job_id)

@@ -69,9 +69,10 @@ def _use_env(run_dir: Path) -> None:
     import sys
 
     if "ray" in sys.modules:
-        from ray._raylet import Config
+        from ray._raylet import AuthenticationTokenLoader, Config
 
         Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()   # a token read for an earlier cluster
 
 
 def _local_ip(addr: str) -> str | None:

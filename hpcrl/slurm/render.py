@@ -28,10 +28,11 @@ def component_table(job: HetJob) -> list[str]:
 
 
 def render_hetjob(job: HetJob, payload: str | None = None, signal: str | None = None) -> str:
-    """The batch script. `payload` (default: the job's driver) runs once every node's Ray has joined; `signal` is the
+    """The batch script. Once every node's Ray has joined it runs the job's driver (with signal
+    forwarding and the requeue step) or, given instead, `payload` as it is; `signal` is the
     `--signal` value (default: USR1 to the batch shell `signal_lead` seconds before the time limit)."""
     from hpcrl import __version__
 
     return _environment().get_template("hetjob.sbatch.j2").render(
-        job=job, version=__version__, table=component_table(job), payload=(job.driver if payload is None else payload).strip(),
+        job=job, version=__version__, table=component_table(job), payload=(payload or "").strip(), driver=job.driver.strip() if payload is None else "",
         signal=signal or f"B:USR1@{job.signal_lead_s}")

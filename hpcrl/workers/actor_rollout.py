@@ -9,13 +9,13 @@ from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.engines import SamplingParams, TorchRollout, TorchTrainer
 from hpcrl.models import CharTokenizer, load_causal_lm, response_log_probs
 from hpcrl.protocol import Batch
-from hpcrl.workers.common import local_share, optim_config, ppo_updates
+from hpcrl.workers.common import Checkpointed, local_share, optim_config, ppo_updates, seed_all
 
 
-class ActorRollout(Worker):
+class ActorRollout(Checkpointed, Worker):
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
-        torch.manual_seed(self.cfg.seed + self.rank)
+        seed_all(self.cfg.seed + self.rank)
         self.model = load_causal_lm(model_dir)
         tok = CharTokenizer.load(model_dir)
         self.rollout = TorchRollout(self.model, tok.pad_id, [tok.eos_id])
@@ -68,8 +68,8 @@ class ActorRollout(Worker):
             stats["kl_loss"] = float(kl_loss) / share
         return loss, stats
 
-    def state_dict(self) -> dict:
+    def checkpoint_state(self) -> dict:
         return self.engine.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_checkpoint_state(self, state: dict) -> None:
         self.engine.load_state_dict(state)

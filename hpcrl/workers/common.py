@@ -1,12 +1,27 @@
-"""What the training roles share: their optimiser settings and the PPO epoch/mini-batch loop."""
+"""What the roles share: optimiser settings, the PPO epoch/mini-batch loop, checkpoint methods."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from hpcrl.checkpoint import AsyncWriter, read_role_file, rng_state, set_rng_state, write_role_file
 from hpcrl.config import PPOConfig
+from hpcrl.controller import Dispatch, register
 from hpcrl.engines import OptimConfig, TorchTrainer
 from hpcrl.protocol import Batch
+
+
+def seed_all(seed: int) -> None:
+    """torch, numpy's and Python's global generators: a role's whole RNG state is then a function of
+    the seed, so a resumed run and an uninterrupted one hold the same state (even where unused)."""
+    import random
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def optim_config(cfg: PPOConfig, lr: float) -> OptimConfig:
@@ -29,3 +44,54 @@ def ppo_updates(engine: TorchTrainer, batch: Batch, cfg: PPOConfig, world_size: 
 def local_share(mask: torch.Tensor, total_tokens: float) -> float:
     """This micro-batch's share of the mini-batch's tokens (to report losses as per-token means)."""
     return max(float(mask.sum()), 1.0) / max(total_tokens, 1.0)
+
+
+class Checkpointed:
+    """Checkpoint methods every role shares. A role defines `checkpoint_state()` and
+    `load_checkpoint_state(state)`; `frozen = True` roles are written once per run.
+
+    Ranks of a role hold the same parameters and optimizer state (data parallel), so rank 0 writes
+    the file with every rank's RNG state; any world size can load it (a rank without its own RNG
+    entry keeps its seed)."""
+    frozen = False
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str, step: int, background: bool = False):
+        rngs = [None] * self.world_size if self.rank == 0 else None
+        mine = rng_state()
+        if dist.is_initialized() and self.world_size > 1:
+            dist.gather_object(mine, rngs, dst=0)
+        else:
+            rngs = [mine]
+        if self.rank != 0:
+            return None
+        state = {"role": self.checkpoint_state(), "rng": {r: s for r, s in enumerate(rngs)}}
+        attrs = {"step": step, "role": self.role, "world_size": self.world_size}
+        if background:
+            self._ckpt_writer().submit(Path(path), state, attrs)
+            return {"pending": True}
+        return write_role_file(Path(path), state, attrs)
+
+    @register(Dispatch.RANK_ZERO)
+    def finish_checkpoint(self):
+        """Wait for a background save; its file info (or None if there was none)."""
+        return self._ckpt_writer().wait()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> int:
+        state, attrs = read_role_file(Path(path))
+        self.load_checkpoint_state(state["role"])
+        if self.rank in state["rng"]:
+            set_rng_state(state["rng"][self.rank])
+        return int(attrs["step"])
+
+    def checkpoint_state(self) -> dict:
+        return {}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        pass
+
+    def _ckpt_writer(self) -> AsyncWriter:
+        if not hasattr(self, "_writer"):
+            self._writer = AsyncWriter()
+        return self._writer

@@ -9,13 +9,13 @@ from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.engines import TorchTrainer
 from hpcrl.models import ValueModel, response_values
 from hpcrl.protocol import Batch
-from hpcrl.workers.common import local_share, optim_config, ppo_updates
+from hpcrl.workers.common import Checkpointed, local_share, optim_config, ppo_updates, seed_all
 
 
-class Critic(Worker):
+class Critic(Checkpointed, Worker):
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
-        torch.manual_seed(self.cfg.seed + 7919 + self.rank)
+        seed_all(self.cfg.seed + 7919 + self.rank)
         init = model_dir if self.cfg.critic_init == "actor" else self.cfg.critic_init
         self.model = ValueModel(init)
         self.engine = TorchTrainer(self.model, optim_config(self.cfg, self.cfg.critic_lr))
@@ -39,8 +39,8 @@ class Critic(Worker):
                                  self.cfg.loss_agg_mode, total_tokens, total_seqs)
         return loss, {"vf_loss": float(loss.detach()) / local_share(mask, total_tokens), "vf_clipfrac": stats["clipfrac"]}
 
-    def state_dict(self) -> dict:
+    def checkpoint_state(self) -> dict:
         return self.engine.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_checkpoint_state(self, state: dict) -> None:
         self.engine.load_state_dict(state)

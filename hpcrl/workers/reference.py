@@ -7,9 +7,12 @@ from hpcrl.config import PPOConfig
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.models import load_causal_lm, response_log_probs
 from hpcrl.protocol import Batch
+from hpcrl.workers.common import Checkpointed
 
 
-class Reference(Worker):
+class Reference(Checkpointed, Worker):
+    frozen = True
+
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
         self.model = load_causal_lm(model_dir).eval().requires_grad_(False)
@@ -20,3 +23,9 @@ class Reference(Worker):
             logp, _ = response_log_probs(self.model, batch["input_ids"], batch["attention_mask"], batch["responses"],
                                          self.cfg.temperature)
         return Batch({"ref_log_probs": logp})
+
+    def checkpoint_state(self) -> dict:
+        return {"model": self.model.state_dict()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])

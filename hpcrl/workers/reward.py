@@ -9,6 +9,7 @@ from hpcrl.algo import last_token_index
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.models import CharTokenizer
 from hpcrl.protocol import Batch
+from hpcrl.workers.common import Checkpointed
 
 
 def import_function(path: str):
@@ -22,8 +23,9 @@ def import_function(path: str):
         raise ValueError(f"reward function {path!r} cannot be imported: {e}") from None
 
 
-class RuleReward(Worker):
+class RuleReward(Checkpointed, Worker):
     """score = fn(prompt_text, response_text, **the sample's other dataset fields)."""
+    frozen = True   # no state: its file only records that the role took part
 
     def __init__(self, model_dir: str, reward_fn: str):
         self.fn = import_function(reward_fn)
@@ -40,8 +42,9 @@ class RuleReward(Worker):
         return Batch({"scores": torch.tensor(scores, dtype=torch.float32)})
 
 
-class RewardModel(Worker):
+class RewardModel(Checkpointed, Worker):
     """A Hugging Face sequence-classification model (one label): its score at the last real token."""
+    frozen = True
 
     def __init__(self, model_dir: str):
         from transformers import AutoModelForSequenceClassification
@@ -58,3 +61,9 @@ class RewardModel(Worker):
                                            position_ids=position_ids(mask)).last_hidden_state
             logits = self.model.score(hidden)[..., 0].float()
         return Batch({"scores": logits[torch.arange(len(batch)), last_token_index(mask)]})
+
+    def checkpoint_state(self) -> dict:
+        return {"model": self.model.state_dict()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])

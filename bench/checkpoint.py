@@ -1,0 +1,95 @@
+"""Checkpoint costs, in one run on the disk that holds --dir:
+
+  write     a 500 MB role state (float32 and bfloat16 tensors): hpcrl's HDF5 file (tmp, fsync,
+            rename) vs `dd conv=fdatasync` of the same byte count vs `torch.save` + fsync
+  read      the same file back (warm page cache) through read_role_file (checksums verified) vs torch.load
+  stall     how long the caller waits: a synchronous save vs an async one (CPU snapshot only)
+
+    python bench/checkpoint.py [--mb 500] [--repeat 3] [--dir /tmp] [--json bench/checkpoint.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hpcrl.checkpoint import AsyncWriter, read_role_file, write_role_file  # noqa: E402
+
+
+def make_state(mb: int) -> dict:
+    n = mb * 2**20 // 4 // 100   # 100 tensors
+    g = torch.Generator().manual_seed(0)
+    model = {f"layer{i}.weight": torch.randn(n, generator=g) for i in range(80)}
+    model.update({f"layer{i}.bf16": torch.randn(2 * n, generator=g).to(torch.bfloat16) for i in range(80, 100)})
+    return {"model": model, "step": 7}
+
+
+def nbytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in state["model"].values())
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def torch_save(state, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=int, default=500)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "checkpoint.json")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-ckpt-", dir=args.dir))
+    state = make_state(args.mb)
+    size = nbytes(state)
+    runs = {k: [] for k in ("dd_write", "hdf5_write", "torch_write", "hdf5_read", "torch_read", "sync_stall", "async_stall")}
+    for _ in range(args.repeat):
+        runs["dd_write"].append(timed(lambda: subprocess.run(
+            ["dd", "if=/dev/zero", f"of={work / 'dd.bin'}", "bs=1M", f"count={size // 2**20}", "conv=fdatasync"],
+            check=True, capture_output=True)))
+        runs["hdf5_write"].append(timed(lambda: write_role_file(work / "role.h5", state, {"step": 7})))
+        runs["torch_write"].append(timed(lambda: torch_save(state, work / "role.pt")))
+        runs["hdf5_read"].append(timed(lambda: read_role_file(work / "role.h5")))
+        runs["torch_read"].append(timed(lambda: torch.load(work / "role.pt")))
+        runs["sync_stall"].append(runs["hdf5_write"][-1])
+        writer = AsyncWriter()
+        runs["async_stall"].append(timed(lambda: writer.submit(work / "async.h5", state, {"step": 7})))
+        writer.wait()
+        for f in work.iterdir():
+            f.unlink()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    gbs = {k: size / med[k] / 1e9 for k in med}
+    print(f"\n{size / 2**20:.0f} MiB role state in {work}, median of {args.repeat}")
+    print(f"{'what':<14}{'seconds':>10}{'GB/s':>8}{'vs dd':>8}")
+    for k in med:
+        print(f"{k:<14}{med[k]:>10.3f}{gbs[k]:>8.2f}{med['dd_write'] / med[k] if k.endswith('write') else float('nan'):>8.2f}")
+    work.rmdir()
+    result = {"bytes": size, "median_s": med, "gb_per_s": gbs, "hdf5_write_vs_dd": med["dd_write"] / med["hdf5_write"],
+              "async_stall_vs_sync": med["async_stall"] / med["sync_stall"]}
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nhdf5 write = {result['hdf5_write_vs_dd']:.2f}x dd; async save stalls the caller "
+          f"{result['async_stall_vs_sync']:.2f}x as long as a synchronous one\nwritten {args.json}")
+
+
+if __name__ == "__main__":
+    main()

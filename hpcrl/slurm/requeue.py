@@ -1,0 +1,69 @@
+"""The batch script's half of stopping and requeueing (Slurm only; the driver's half is EXIT_REQUEUE).
+
+    python -m hpcrl.slurm.requeue deadline   epoch seconds by which the driver must have stopped:
+                                             the job's end time from Slurm, minus the signal lead
+    python -m hpcrl.slurm.requeue after RC   RC == 3: requeue the job (its hetjob leader) unless
+                                             requeue is off or the restart count reached the limit;
+                                             says which, and why, in the job log
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from hpcrl.slurm.cluster import SlurmCommandError, slurm_cmd
+from hpcrl.util import EXIT_REQUEUE
+
+
+def job_end_time(job_id: str) -> float | None:
+    """Slurm's own end time of the job (not when the driver started), or None without a limit."""
+    if os.environ.get("SLURM_JOB_END_TIME", "").isdigit():
+        return float(os.environ["SLURM_JOB_END_TIME"])
+    out = slurm_cmd("squeue", "-h", "-o", "%e", "-j", job_id).split()
+    if not out or out[0] in ("N/A", "NONE", "Unknown"):
+        return None
+    return time.mktime(time.strptime(out[0], "%Y-%m-%dT%H:%M:%S"))
+
+
+def deadline() -> str:
+    end = job_end_time(os.environ["SLURM_JOB_ID"])
+    return "" if end is None else f"{end - int(os.environ.get('HPCRL_SIGNAL_LEAD', '120')):.0f}"
+
+
+def after(rc: int) -> int:
+    """What the job does once its driver exited with rc; returns the batch script's exit status."""
+    job = os.environ["SLURM_JOB_ID"]
+    if rc != EXIT_REQUEUE:
+        return rc
+    count, limit = int(os.environ.get("SLURM_RESTART_COUNT", "0")), int(os.environ.get("HPCRL_MAX_RESTARTS", "3"))
+    if os.environ.get("HPCRL_REQUEUE", "1") != "1":
+        print(f"[hpcrl] not requeued: requeue is off in the spec; the run stopped at its last checkpoint "
+              f"(continue it with hpcrl submit --resume)", flush=True)
+        return 0
+    if count >= limit:
+        print(f"[hpcrl] not requeued: restart count {count} has reached max_restarts {limit}; the run stopped at "
+              f"its last checkpoint (continue it with hpcrl submit --resume)", flush=True)
+        return 0
+    try:
+        slurm_cmd("scontrol", "requeue", job)
+    except SlurmCommandError as e:
+        # a preempted job is requeued by Slurm itself (PreemptMode=REQUEUE); ours then comes too late
+        print(f"[hpcrl] scontrol requeue {job} refused ({e}); Slurm requeues a preempted job itself", flush=True)
+        return 0
+    print(f"[hpcrl] requeued job {job} after a checkpoint (restart {count + 1} of at most {limit})", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["deadline"]:
+        print(deadline())
+        return 0
+    if argv[:1] == ["after"] and len(argv) == 2:
+        return after(int(argv[1]))
+    print(__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,176 @@
+"""CheckpointStore with real HDF5 files, a real tiny model and a real SIGKILL."""
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from hpcrl.checkpoint import CheckpointStore, read_role_file, rng_state, set_rng_state, write_role_file
+from hpcrl.config import PPOConfig
+from hpcrl.controller import local_worker
+from hpcrl.data import PromptDataset
+from hpcrl.models import CharTokenizer
+from hpcrl.tasks import copy as copy_task
+from hpcrl.trainer import prepare_inputs
+from hpcrl.workers import ActorRollout
+
+from conftest import ROOT
+
+TOK = CharTokenizer(copy_task.ALPHABET)
+
+
+def same(a, b):
+    """Bitwise equality of nested states (tensors by bits and dtype)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """An actor after one PPO update: parameters, AdamW moments, scheduler all non-trivial."""
+    run = tmp_path_factory.mktemp("ckpt")
+    cfg = PPOConfig(batch_size=16, mini_batch_size=16, micro_batch_size=8, ppo_epochs=1)
+    model_dir, prompts = prepare_inputs(cfg, run)
+    conf = dataclasses.asdict(cfg)
+    actor = local_worker(ActorRollout, str(model_dir), conf)
+    batch = actor.generate_sequences(PromptDataset(prompts, TOK, 16, 1).next_batch())
+    batch = batch.union(actor.compute_log_prob(batch))
+    batch["advantages"] = torch.randn(batch["response_mask"].shape, generator=torch.Generator().manual_seed(0))
+    actor.update_actor(batch)
+    return run, model_dir, conf, actor, batch
+
+
+def test_round_trip_of_every_state_kind_is_bitwise(trained, tmp_path):
+    _, _, _, actor, _ = trained
+    state = {"engine": actor.checkpoint_state(), "rng": rng_state(),
+             "extra": {"bf16": torch.randn(5, 3).to(torch.bfloat16), "int": torch.arange(4, dtype=torch.int32),
+                       "nested": (1, [2.5, "x", None], {"k": True}), 7: np.arange(3.0)}}
+    info = write_role_file(tmp_path / "a.h5", state, {"step": 4, "role": "actor_rollout", "world_size": 1})
+    back, attrs = read_role_file(tmp_path / "a.h5")
+    assert same(back, state) and info["bytes"] == (tmp_path / "a.h5").stat().st_size
+    assert attrs["step"] == 4 and attrs["format_version"] == 1 and attrs["role"] == "actor_rollout"
+    assert back["engine"]["optimizer"]["state"][0]["exp_avg"].abs().sum() > 0   # real Adam moments
+    with h5py.File(tmp_path / "a.h5") as f:   # one dataset per tensor, named by its state path
+        assert any(k.startswith("engine") for k in f) and "crc32" in f["extra/bf16"].attrs
+    set_rng_state(state["rng"])
+    first = torch.rand(3), np.random.rand(2)
+    set_rng_state(back["rng"])
+    again = torch.rand(3), np.random.rand(2)
+    assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1])
+
+
+def test_a_loaded_worker_continues_exactly_like_the_original(trained, tmp_path):
+    _, model_dir, conf, actor, batch = trained
+    actor.save_checkpoint(str(tmp_path / "actor.h5"), step=1)
+    fresh = local_worker(ActorRollout, str(model_dir), conf)
+    assert not same(fresh.checkpoint_state()["model"], actor.checkpoint_state()["model"])
+    fresh.load_checkpoint(str(tmp_path / "actor.h5"))
+    assert same(fresh.checkpoint_state(), actor.checkpoint_state())
+    actor.update_actor(batch), fresh.update_actor(batch)    # one more step on both: still bitwise equal
+    assert same(fresh.checkpoint_state(), actor.checkpoint_state())
+
+
+def commit(store, step, roles=("actor",), mb=1):
+    files = {}
+    for role in roles:
+        path = store.role_path(step, role)
+        info = write_role_file(path, {"w": torch.full((mb * 2**18,), float(step))}, {"step": step, "role": role})
+        files[role] = {"path": str(path.relative_to(store.root)), **info}
+    store.commit(step, files, {"step": step})
+    return files
+
+
+WRITER = """
+import sys, torch
+from hpcrl.checkpoint import CheckpointStore, write_role_file
+store = CheckpointStore(sys.argv[1])
+state = {f"t{i}": torch.randn(2**20) for i in range(200)}     # 800 MB: seconds to write
+write_role_file(store.role_path(2, "actor"), state, {"step": 2})
+store.commit(2, {"actor": {"path": "step_00000002/actor.h5", "bytes": 0}}, {"step": 2})
+"""
+
+
+def test_a_writer_killed_mid_file_leaves_the_previous_step(tmp_path, caplog):
+    store = CheckpointStore(tmp_path)
+    commit(store, 1)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], cwd=ROOT)
+    deadline = time.time() + 120
+    while time.time() < deadline:   # kill once the temporary file has some data in it
+        tmps = list((tmp_path / "ckpt").glob("step_00000002/.actor.h5.tmp.*"))
+        if tmps and tmps[0].stat().st_size > 50 * 2**20:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert tmps, "the writer never started its file"
+    assert store.committed_steps() == [1] and not store.role_path(2, "actor").exists()
+    assert store.latest_good()[0] == 1 and (tmp_path / "ckpt" / "LATEST").read_text().strip() == "step_00000001"
+
+
+def test_truncated_and_flipped_files_are_detected_and_skipped(tmp_path, caplog):
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2, 3):
+        commit(store, step)
+    # flip one byte inside step 3's tensor data
+    path3 = store.role_path(3, "actor")
+    with h5py.File(path3) as f:
+        offset = f["w"].id.get_offset()
+    with open(path3, "r+b") as fh:
+        fh.seek(offset + 1000)
+        byte = fh.read(1)
+        fh.seek(offset + 1000)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    # truncate step 2's file
+    path2 = store.role_path(2, "actor")
+    os.truncate(path2, path2.stat().st_size // 2)
+    assert any("checksum" in p for p in store.verify(3))
+    assert any("bytes" in p for p in store.verify(2))
+    with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
+        assert store.latest_good()[0] == 1
+    assert "step 3 is unusable" in caplog.text and "step 2 is unusable" in caplog.text
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "ckpt", "verify", str(tmp_path)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 1 and "step 1: ok" in out.stdout and "step 3: BAD" in out.stdout
+
+
+def test_retention_keeps_the_newest_the_multiples_and_frozen_files(tmp_path):
+    store = CheckpointStore(tmp_path, keep_last=2, keep_every=3)
+    frozen = commit(store, 1, roles=("ref",))["ref"]
+    for step in range(2, 8):
+        files = commit(store, step)
+        files["ref"] = frozen      # the frozen role's one file, from step 1
+        store.commit(step, files, {"step": step})
+    assert store.committed_steps() == [3, 6, 7]
+    assert store.role_path(1, "ref").exists() and not (store.step_dir(1) / "MANIFEST.json").exists()
+    assert not store.step_dir(2).exists() and not store.verify(7)
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "ckpt", "ls", str(tmp_path)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0 and "step_00000001/ref.h5" in out.stdout and json.loads(
+        (store.step_dir(7) / "MANIFEST.json").read_text())["roles"]["ref"]["path"] == "step_00000001/ref.h5"
+
+
+def test_background_save_writes_the_state_of_when_it_was_asked(trained, tmp_path):
+    _, model_dir, conf, actor, batch = trained
+    expected = {k: v.clone() for k, v in actor.checkpoint_state()["model"].items()}
+    assert actor.save_checkpoint(str(tmp_path / "bg.h5"), step=5, background=True) == {"pending": True}
+    actor.update_actor(batch)          # training goes on while the file is written
+    info = actor.finish_checkpoint()
+    state, _ = read_role_file(tmp_path / "bg.h5")
+    assert info["bytes"] == (tmp_path / "bg.h5").stat().st_size
+    assert same(state["role"]["model"], expected) and not same(state["role"]["model"], actor.checkpoint_state()["model"])

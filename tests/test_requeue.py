@@ -1,0 +1,142 @@
+"""Stopping at a checkpoint and resuming, compared bitwise with uninterrupted runs: locally with a
+real SIGUSR1, and on the local Slurm cluster with real preemption and a real time limit."""
+import dataclasses
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from hpcrl.config import PPOConfig
+from hpcrl.metrics import read_metrics
+
+from conftest import ROOT, job_finished, sh, wait_until
+
+LOCAL = """
+import json, sys; from pathlib import Path; import ray
+from hpcrl.config import PPOConfig; from hpcrl.trainer import StopRequest, train
+from hpcrl.raycluster.session import start_local
+stop = StopRequest(); stop.install()
+cfg = PPOConfig(**json.loads(sys.argv[2])); run = Path(sys.argv[1])
+start_local(['actor_rollout', 'critic', 'ref', 'reward'], run_dir=run, num_cpus=2)
+_, reason = train(cfg, run, stop=stop); ray.shutdown(); sys.exit(3 if reason else 0)
+"""
+
+
+def start_local(run, cfg):
+    run.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-c", LOCAL, str(run), json.dumps(dataclasses.asdict(cfg))], cwd=ROOT)
+
+
+def final_state(run, step) -> dict:
+    """Every dataset of the trained roles' files at `step`, as numpy arrays."""
+    out = {}
+    for role in ("actor_rollout", "critic"):
+        with h5py.File(run / "ckpt" / f"step_{step:08d}" / f"{role}.h5") as f:
+            f.visititems(lambda name, obj: out.__setitem__(f"{role}/{name}", obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+def assert_same_training(a, b, steps):
+    sa, sb = final_state(a, steps), final_state(b, steps)
+    assert sa.keys() == sb.keys()
+    differ = [k for k in sa if not (sa[k].dtype == sb[k].dtype and np.array_equal(bits(sa[k]), bits(sb[k])))]
+    assert not differ, f"{len(differ)} datasets differ, e.g. {differ[:3]}"
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in rs]  # noqa: E731
+    assert strip(read_metrics(a / "metrics.jsonl")) == strip(read_metrics(b / "metrics.jsonl"))
+
+
+def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
+    cfg = PPOConfig(total_steps=12, progress=False)
+    assert start_local(tmp_path / "once", cfg).wait(timeout=600) == 0
+    proc = start_local(tmp_path / "twice", cfg)
+    stop_after = random.Random().randint(2, 9)
+    wait_until(lambda: len(read_metrics(tmp_path / "twice" / "metrics.jsonl")) >= stop_after, 300, "steps")
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=300) == 3           # stopped at a committed checkpoint, asks to run again
+    ckpt = tmp_path / "twice" / "ckpt"
+    stopped = json.loads((ckpt / (ckpt / "LATEST").read_text().strip() / "MANIFEST.json").read_text())["step"]
+    assert stop_after <= stopped < 12
+    assert start_local(tmp_path / "twice", cfg).wait(timeout=600) == 0
+    assert_same_training(tmp_path / "once", tmp_path / "twice", 12)
+
+
+def short_spec(tmp_path, name, **overrides):
+    spec = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())
+    spec["train"]["total_steps"] = 40
+    spec["train"]["progress"] = False
+    spec.update(overrides)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def submit(spec, run):
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec), "--run-dir", str(run)],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
+    return json.loads((run / "job.json").read_text())["job_id"]
+
+
+def slurm_log(run):
+    return "".join(p.read_text() for p in sorted((run / "logs").glob("slurm-*.out")))
+
+
+@pytest.mark.slurm
+def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
+    spec = short_spec(tmp_path, "tiny")
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    job = submit(spec, once)
+    wait_until(lambda: job_finished(job), 600, "uninterrupted run")
+    assert len(read_metrics(once / "metrics.jsonl")) == 40, slurm_log(once)
+
+    job = submit(spec, twice)
+    at = random.Random().randint(5, 25)
+    wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= at, 300, f"{at} steps")
+    node = json.loads((twice / "allocation.json").read_text())["components"][0]["nodes"][0]["name"]
+    urgent = sh("sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-o", "/dev/null",
+                "--wrap", "sleep 1").strip()
+    wait_until(lambda: job_finished(urgent), 120, "urgent job")
+    wait_until(lambda: job_finished(job), 600, "preempted run to requeue and finish")
+    log = slurm_log(twice)
+    assert "stopped after step" in log and "resumed from checkpoint step" in log, log
+    assert json.loads((twice / "allocation.json").read_text())["restart_count"] >= 1
+    assert_same_training(once, twice, 40)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("max_restarts", [1, 0])
+def test_time_limit_checkpoints_and_requeues_until_max_restarts(slurm_cluster, tmp_path, max_restarts):
+    """--time 2 min with signal_lead 60: the driver stops by its deadline, then the job requeues
+    itself (max_restarts 1) or says it will not (max_restarts 0)."""
+    spec = short_spec(tmp_path, "limited", max_restarts=max_restarts, signal_lead=90)
+    data = yaml.safe_load(spec.read_text())
+    data["train"]["total_steps"] = 400
+    for role in data["roles"].values():
+        if "time" in role:
+            role["time"] = "00:02:00"
+    spec.write_text(yaml.safe_dump(data))
+    run = tmp_path / "run"
+    job = submit(spec, run)
+    if max_restarts:
+        wait_until(lambda: "resumed from checkpoint step" in slurm_log(run), 400, "the requeued job resuming")
+        sh("scancel", job)
+        log = slurm_log(run)
+        # the driver's own deadline (end time - signal_lead) or Slurm's USR1, whichever came first
+        assert "checkpoint committed" in log and f"requeued job {job} after a checkpoint (restart 1 of at most 1)" in log
+    else:
+        wait_until(lambda: job_finished(job), 400, "the job ending")
+        log = slurm_log(run)
+        assert "not requeued: restart count 0 has reached max_restarts 0" in log, log
+        assert "resumed from checkpoint step" not in log
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+    assert steps == list(range(1, len(steps) + 1))   # appended once per step: nothing lost, nothing twice
