@@ -108,18 +108,21 @@ def explained_variance(values, returns, mask) -> float:
 
 
 class StopRequest:
-    """Why the driver should stop at the end of this step: SIGUSR1/SIGTERM (forwarded by the batch
-    script from Slurm: time limit near, or preemption), or HPCRL_DEADLINE (epoch seconds) passed."""
+    """Why the driver should stop at the end of this step: SIGUSR1/SIGTERM (passed on by the batch
+    script from Slurm: time limit near, or preemption), a stop file the script wrote (a signal that
+    came before the driver ran), or the deadline (epoch seconds) passed."""
 
-    def __init__(self, deadline: float | None = None):
+    def __init__(self, deadline: float | None = None, stop_file: Path | None = None):
         self.reason: str | None = None
-        self.deadline = deadline
+        self.deadline, self.stop_file = deadline, stop_file
 
     def install(self) -> None:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, lambda s, _: setattr(self, "reason", self.reason or signal.Signals(s).name))
 
     def check(self) -> str | None:
+        if self.reason is None and self.stop_file is not None and self.stop_file.exists():
+            self.reason = f"SIG{self.stop_file.read_text().strip()}, noted by the batch script"
         if self.reason is None and self.deadline and time.time() >= self.deadline:
             self.reason = "deadline"
         return self.reason
@@ -324,7 +327,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpcrl.trainer", description=main.__doc__)
     ap.add_argument("run_dir", type=Path)
     args = ap.parse_args(argv)
-    stop = StopRequest(float(os.environ["HPCRL_DEADLINE"]) if os.environ.get("HPCRL_DEADLINE") else None)
+    stop = StopRequest(float(os.environ["HPCRL_DEADLINE"]) if os.environ.get("HPCRL_DEADLINE") else None,
+                       args.run_dir / "stop")
     stop.install()
     spec = load_spec(args.run_dir / "spec.yaml", run_dir=args.run_dir)
     cfg = PPOConfig.from_dict(spec.train)

@@ -114,29 +114,50 @@ def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("max_restarts", [1, 0])
-def test_time_limit_checkpoints_and_requeues_until_max_restarts(slurm_cluster, tmp_path, max_restarts):
-    """--time 2 min with signal_lead 60: the driver stops by its deadline, then the job requeues
-    itself (max_restarts 1) or says it will not (max_restarts 0)."""
-    spec = short_spec(tmp_path, "limited", max_restarts=max_restarts, signal_lead=90)
+def test_time_limit_checkpoints_and_requeues_until_max_restarts(slurm_cluster, tmp_path):
+    """--time 2 min, signal_lead 90, max_restarts 1: the driver stops by its deadline (Slurm's end
+    time minus the lead) or Slurm's USR1, the job requeues itself once, resumes, stops again, and
+    then says it will not requeue a second time."""
+    spec = short_spec(tmp_path, "limited", max_restarts=1, signal_lead=90)
     data = yaml.safe_load(spec.read_text())
-    data["train"]["total_steps"] = 400
+    data["train"]["total_steps"] = 1000
     for role in data["roles"].values():
         if "time" in role:
             role["time"] = "00:02:00"
     spec.write_text(yaml.safe_dump(data))
     run = tmp_path / "run"
     job = submit(spec, run)
-    if max_restarts:
-        wait_until(lambda: "resumed from checkpoint step" in slurm_log(run), 400, "the requeued job resuming")
-        sh("scancel", job)
-        log = slurm_log(run)
-        # the driver's own deadline (end time - signal_lead) or Slurm's USR1, whichever came first
-        assert "checkpoint committed" in log and f"requeued job {job} after a checkpoint (restart 1 of at most 1)" in log
-    else:
-        wait_until(lambda: job_finished(job), 400, "the job ending")
-        log = slurm_log(run)
-        assert "not requeued: restart count 0 has reached max_restarts 0" in log, log
-        assert "resumed from checkpoint step" not in log
+    wait_until(lambda: job_finished(job), 600, "two time-limited runs")
+    log = slurm_log(run)
+    assert log.count("checkpoint committed") == 2, log
+    assert f"requeued job {job} after a checkpoint (restart 1 of at most 1)" in log
+    assert "resumed from checkpoint step" in log
+    assert "not requeued: restart count 1 has reached max_restarts 1" in log
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     assert steps == list(range(1, len(steps) + 1))   # appended once per step: nothing lost, nothing twice
+
+
+def test_a_rebuilt_role_comes_back_from_its_latest_committed_file(tmp_path):
+    import os
+
+    import ray
+
+    from hpcrl.raycluster.session import start_local
+    from hpcrl.trainer import build_worker_groups, prepare_inputs, train
+
+    cfg = PPOConfig(total_steps=4, save_every=2, progress=False)
+    start_local(["actor_rollout", "critic", "ref", "reward"], run_dir=tmp_path, num_cpus=2)
+    try:
+        model_dir, _ = prepare_inputs(cfg, tmp_path)
+        groups = build_worker_groups(cfg, model_dir, tmp_path / "logs")
+        train(cfg, tmp_path, groups)
+        critic, actor_pids = groups["critic"], groups["actor_rollout"].pids()
+        os.kill(critic.pids()[0], signal.SIGKILL)
+        critic.save_checkpoint(str(tmp_path / "after.h5"), 4)     # rebuilt, restored, then saved
+        assert groups["actor_rollout"].pids() == actor_pids
+    finally:
+        ray.shutdown()
+    with h5py.File(tmp_path / "after.h5") as a, h5py.File(tmp_path / "ckpt" / "step_00000004" / "critic.h5") as b:
+        names = []
+        a.visit(lambda n: names.append(n) if isinstance(a[n], h5py.Dataset) and n.startswith("role/") else None)
+        assert names and all(np.array_equal(bits(a[n][()]), bits(b[n][()])) for n in names)
