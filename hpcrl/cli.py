@@ -52,10 +52,11 @@ def cmd_render(args) -> int:
 
 def cmd_submit(args) -> int:
     from hpcrl.slurm.submit import submit_hetjob
+    from hpcrl.submitit_training import training_function
 
     spec, job = _load(args)
     handle = submit_hetjob(job, args.via, resume=args.resume, spec_data=spec.as_data(),
-                           dry_run=args.dry_run)
+                           dry_run=args.dry_run, fn=training_function(spec, args.via))
     if args.dry_run:
         sys.stdout.write(handle)
         return 0

@@ -114,17 +114,23 @@ class StopRequest:
 
     def __init__(self, deadline: float | None = None, stop_file: Path | None = None):
         self.reason: str | None = None
+        self.since = 0.0     # when the request came (epoch seconds)
         self.deadline, self.stop_file = deadline, stop_file
+
+    def request(self, reason: str, since: float | None = None) -> None:
+        if self.reason is None:
+            self.reason, self.since = reason, since or time.time()
 
     def install(self) -> None:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, lambda s, _: setattr(self, "reason", self.reason or signal.Signals(s).name))
+            signal.signal(sig, lambda s, _: self.request(signal.Signals(s).name))
 
     def check(self) -> str | None:
         if self.reason is None and self.stop_file is not None and self.stop_file.exists():
-            self.reason = f"SIG{self.stop_file.read_text().strip()}, noted by the batch script"
+            self.request(f"SIG{self.stop_file.read_text().strip()}, noted by the batch script",
+                         self.stop_file.stat().st_mtime)
         if self.reason is None and self.deadline and time.time() >= self.deadline:
-            self.reason = "deadline"
+            self.request("deadline", self.deadline)
         return self.reason
 
 
@@ -282,7 +288,8 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
                                     "metrics_bytes": log.size()}, background=not reason and step < cfg.total_steps)
         if reason:
             checkpoints.finish()
-            print(f"stopped after step {step} ({reason}); checkpoint committed", flush=True)
+            print(f"stopped after step {step} ({reason}); checkpoint committed "
+                  f"{time.time() - stop.since:.2f} s after the request", flush=True)
             return history, reason
     checkpoints.finish()
     return history, None

@@ -174,3 +174,29 @@ def test_background_save_writes_the_state_of_when_it_was_asked(trained, tmp_path
     state, _ = read_role_file(tmp_path / "bg.h5")
     assert info["bytes"] == (tmp_path / "bg.h5").stat().st_size
     assert same(state["role"]["model"], expected) and not same(state["role"]["model"], actor.checkpoint_state()["model"])
+
+
+def test_a_two_rank_role_file_loads_into_one_rank(trained, tmp_path):
+    """Data-parallel ranks hold the same parameters and optimizer state: rank 0 writes them with
+    both ranks' RNG states, and a world of another size loads the file."""
+    import ray
+
+    from hpcrl.controller import ResourcePool, WorkerGroup
+    from hpcrl.raycluster.session import start_local
+
+    _, model_dir, conf, _, batch = trained
+    start_local(["actor_rollout"], run_dir=tmp_path, num_cpus=2)
+    try:
+        wg = WorkerGroup(ResourcePool.for_role("actor_rollout", processes_per_node=2), ActorRollout,
+                         (str(model_dir), conf))
+        wg.update_actor(batch)                       # DDP over gloo: both ranks take the same step
+        infos = wg.save_checkpoint(str(tmp_path / "two.h5"), 1)
+        assert infos[0]["bytes"] > 0 and infos[1] is None
+    finally:
+        ray.shutdown()
+    state, attrs = read_role_file(tmp_path / "two.h5")
+    assert attrs["world_size"] == 2 and sorted(state["rng"]) == [0, 1]
+    one = local_worker(ActorRollout, str(model_dir), conf)
+    one.load_checkpoint(str(tmp_path / "two.h5"))
+    assert same(one.checkpoint_state(), state["role"])
+    assert one.checkpoint_state()["optimizer"]["state"][0]["exp_avg"].abs().sum() > 0

@@ -81,6 +81,18 @@ def short_spec(tmp_path, name, **overrides):
     return path
 
 
+def time_limited_spec(tmp_path, max_restarts):
+    """2 minutes per run, signal_lead 90 s, more steps than fit."""
+    spec = short_spec(tmp_path, "limited", max_restarts=max_restarts, signal_lead=90)
+    data = yaml.safe_load(spec.read_text())
+    data["train"]["total_steps"] = 1000
+    for role in data["roles"].values():
+        if "time" in role:
+            role["time"] = "00:02:00"
+    spec.write_text(yaml.safe_dump(data))
+    return spec
+
+
 def submit(spec, run):
     out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec), "--run-dir", str(run)],
                          capture_output=True, text=True, cwd=ROOT, check=True)
@@ -118,19 +130,13 @@ def test_time_limit_checkpoints_and_requeues_until_max_restarts(slurm_cluster, t
     """--time 2 min, signal_lead 90, max_restarts 1: the driver stops by its deadline (Slurm's end
     time minus the lead) or Slurm's USR1, the job requeues itself once, resumes, stops again, and
     then says it will not requeue a second time."""
-    spec = short_spec(tmp_path, "limited", max_restarts=1, signal_lead=90)
-    data = yaml.safe_load(spec.read_text())
-    data["train"]["total_steps"] = 1000
-    for role in data["roles"].values():
-        if "time" in role:
-            role["time"] = "00:02:00"
-    spec.write_text(yaml.safe_dump(data))
+    spec = time_limited_spec(tmp_path, max_restarts=1)
     run = tmp_path / "run"
     job = submit(spec, run)
     wait_until(lambda: job_finished(job), 600, "two time-limited runs")
     log = slurm_log(run)
     assert log.count("checkpoint committed") == 2, log
-    assert f"requeued job {job} after a checkpoint (restart 1 of at most 1)" in log
+    assert f"requeued job {job} after a checkpoint (restart 1 of at most 1" in log
     assert "resumed from checkpoint step" in log
     assert "not requeued: restart count 1 has reached max_restarts 1" in log
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]

@@ -83,7 +83,8 @@ def test_submitit_path_returns_the_function_result(slurm_cluster, tmp_path):
 
 
 def test_submitit_via_cli(slurm_cluster, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(TINY), "--via", "submitit", "--wait",
+    ray_only = spec_file(tmp_path, train={})     # without training, submitit runs its default function
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(ray_only), "--via", "submitit", "--wait",
                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "result: {'job_id'" in out.stdout and "COMPLETED" in out.stdout

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 from hpcrl.slurm.cluster import SlurmCommandError, slurm_cmd
 from hpcrl.util import EXIT_REQUEUE
@@ -51,7 +52,9 @@ def after(rc: int) -> int:
         # a preempted job is requeued by Slurm itself (PreemptMode=REQUEUE); ours then comes too late
         print(f"[hpcrl] scontrol requeue {job} refused ({e}); Slurm requeues a preempted job itself", flush=True)
         return 0
-    print(f"[hpcrl] requeued job {job} after a checkpoint (restart {count + 1} of at most {limit})", flush=True)
+    stop = Path(os.environ.get("HPCRL_RUN_DIR", ".")) / "stop"
+    since = f", {time.time() - stop.stat().st_mtime:.2f} s after Slurm's signal" if stop.exists() else ""
+    print(f"[hpcrl] requeued job {job} after a checkpoint (restart {count + 1} of at most {limit}{since})", flush=True)
     return 0
 
 
