@@ -12,8 +12,6 @@ from pathlib import Path
 
 import submitit
 
-from hpcrl.trainer import StopRequest
-
 
 class SubmititTraining(submitit.helpers.Checkpointable):
     def __init__(self, run_dir: str):
@@ -26,7 +24,7 @@ class SubmititTraining(submitit.helpers.Checkpointable):
         from hpcrl.metrics import read_metrics
         from hpcrl.raycluster import connect
         from hpcrl.spec import load_spec
-        from hpcrl.trainer import train
+        from hpcrl.trainer import StopRequest, train   # here: `import hpcrl` must not import the trainer
 
         run_dir = Path(self.run_dir)
         cfg = PPOConfig.from_dict(load_spec(run_dir / "spec.yaml", run_dir=run_dir).train)
