@@ -12,7 +12,7 @@ from hpcrl.config import PPOConfig
 from hpcrl.controller import local_worker
 from hpcrl.data import PromptDataset
 from hpcrl.metrics import read_metrics
-from hpcrl.models import CharTokenizer, create_model_dir, load_causal_lm, response_log_probs
+from hpcrl.models import CharTokenizer, response_log_probs
 from hpcrl.protocol import Batch
 from hpcrl.tasks import copy as copy_task
 from hpcrl.trainer import compute_advantages, prepare_inputs

@@ -6,7 +6,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 
 import h5py
 import numpy as np
@@ -94,7 +93,7 @@ def time_limited_spec(tmp_path, max_restarts):
 
 
 def submit(spec, run):
-    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec), "--run-dir", str(run)],
+    subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec), "--run-dir", str(run)],
                          capture_output=True, text=True, cwd=ROOT, check=True)
     return json.loads((run / "job.json").read_text())["job_id"]
 

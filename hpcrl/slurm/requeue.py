@@ -39,8 +39,8 @@ def after(rc: int) -> int:
         return rc
     count, limit = int(os.environ.get("SLURM_RESTART_COUNT", "0")), int(os.environ.get("HPCRL_MAX_RESTARTS", "3"))
     if os.environ.get("HPCRL_REQUEUE", "1") != "1":
-        print(f"[hpcrl] not requeued: requeue is off in the spec; the run stopped at its last checkpoint "
-              f"(continue it with hpcrl submit --resume)", flush=True)
+        print("[hpcrl] not requeued: requeue is off in the spec; the run stopped at its last checkpoint "
+              "(continue it with hpcrl submit --resume)", flush=True)
         return 0
     if count >= limit:
         print(f"[hpcrl] not requeued: restart count {count} has reached max_restarts {limit}; the run stopped at "
