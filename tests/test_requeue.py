@@ -80,14 +80,14 @@ def short_spec(tmp_path, name, **overrides):
     return path
 
 
-def time_limited_spec(tmp_path, max_restarts):
-    """2 minutes per run, signal_lead 90 s, more steps than fit."""
-    spec = short_spec(tmp_path, "limited", max_restarts=max_restarts, signal_lead=90)
+def time_limited_spec(tmp_path, max_restarts, minutes=2, lead=90):
+    """A few minutes per run, Slurm's signal `lead` seconds before the end, more steps than fit."""
+    spec = short_spec(tmp_path, "limited", max_restarts=max_restarts, signal_lead=lead)
     data = yaml.safe_load(spec.read_text())
     data["train"]["total_steps"] = 1000
     for role in data["roles"].values():
         if "time" in role:
-            role["time"] = "00:02:00"
+            role["time"] = f"00:{minutes:02d}:00"
     spec.write_text(yaml.safe_dump(data))
     return spec
 
@@ -140,6 +140,26 @@ def test_time_limit_checkpoints_and_requeues_until_max_restarts(slurm_cluster, t
     assert "not requeued: restart count 1 has reached max_restarts 1" in log
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     assert steps == list(range(1, len(steps) + 1))   # appended once per step: nothing lost, nothing twice
+
+
+@pytest.mark.slurm
+def test_submitit_path_checkpoints_on_its_signal_and_resumes(slurm_cluster, tmp_path):
+    """--via submitit: submitit's USR2 (sent to job steps, so only once the function's step runs:
+    a 3 min limit with a 60 s lead) calls SubmititTraining.checkpoint(), which waits for the
+    step's committed checkpoint; submitit requeues; the driver resumes from it."""
+    spec = time_limited_spec(tmp_path, max_restarts=3, minutes=3, lead=60)
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec), "--via", "submitit", "--run-dir", str(run)],
+                   check=True, capture_output=True, cwd=ROOT)
+    job = json.loads((run / "job.json").read_text())["job_id"]
+
+    def logs():
+        return "".join(p.read_text(errors="replace") for p in run.rglob("*_log.*"))
+    try:
+        wait_until(lambda: "resumed from checkpoint step" in logs(), 420, "the requeued submitit job resuming")
+    finally:
+        sh("scancel", job)
+    assert "(USR2 (submitit)); checkpoint committed" in logs()
 
 
 def test_a_rebuilt_role_comes_back_from_its_latest_committed_file(tmp_path):
