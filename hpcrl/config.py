@@ -52,6 +52,21 @@ class PPOConfig:
     """nucleus sampling"""
     top_k: int = 0
     """top-k sampling (0: off)"""
+    rollout_engine: str = "torch"
+    """"torch" (samples with the training module itself) or "vllm" (a vLLM engine in the rollout
+    process; the actor's new weights are loaded into it in place after every update)"""
+    rollout_role: bool = False
+    """generate in a separate `rollout` role (its own nodes in the spec) instead of in actor_rollout;
+    the actor's weights travel to it through Ray's object store after every update"""
+    rollout_tensor_parallel: int = 1
+    """vLLM tensor parallel size: GPUs per engine (CPU: 1)"""
+    rollout_gpu_memory: float = 0.5
+    """vLLM: fraction of a GPU's memory for its weights and KV cache"""
+    rollout_max_model_len: int = 0
+    """vLLM: longest prompt + response (0: the model's max_position_embeddings)"""
+    cache_dir: str = ""
+    """compile caches and temp files of the rollout engine (vLLM, torch inductor); empty: RUN_DIR/cache.
+    Runs that share one reuse each other's compiled kernels"""
 
     # --- advantages and KL
     advantage: str = "gae"
@@ -150,6 +165,10 @@ class PPOConfig:
         p = []
         if self.advantage not in ("gae", "grpo"):
             p.append(f"advantage: {self.advantage!r} is not gae or grpo")
+        if self.rollout_engine not in ("torch", "vllm"):
+            p.append(f"rollout_engine: {self.rollout_engine!r} is not torch or vllm")
+        if self.rollout_tensor_parallel < 1 or (self.rollout_tensor_parallel > 1 and self.rollout_engine != "vllm"):
+            p.append(f"rollout_tensor_parallel: {self.rollout_tensor_parallel} needs rollout_engine: vllm and must be ≥ 1")
         if self.advantage == "grpo" and self.n_samples < 2:
             p.append("n_samples: GRPO needs ≥ 2 responses per prompt to normalise against")
         for name in ("kl_estimator", "kl_loss_estimator"):
@@ -176,7 +195,7 @@ class PPOConfig:
 
     def roles(self) -> list[str]:
         """The roles this configuration runs; the job spec must give each one resources."""
-        return ["actor_rollout"] + (["critic"] if self.uses_critic else []) + (["ref"] if self.uses_ref else []) + ["reward"]
+        return ["actor_rollout"] + (["rollout"] if self.rollout_role else []) + (["critic"] if self.uses_critic else []) + (["ref"] if self.uses_ref else []) + ["reward"]
 
 
 def _type_ok(value, annotation: str) -> bool:

@@ -33,7 +33,7 @@ from hpcrl.metrics import MetricsLog
 from hpcrl.models import CharTokenizer, create_model_dir
 from hpcrl.protocol import Batch
 from hpcrl.tasks import copy as copy_task
-from hpcrl.workers import ActorRollout, Critic, Reference, RewardModel, RuleReward
+from hpcrl.workers import ActorRollout, Critic, Reference, RewardModel, Rollout, RuleReward
 
 
 def prepare_inputs(cfg: PPOConfig, run_dir: Path) -> tuple[Path, Path]:
@@ -47,16 +47,17 @@ def prepare_inputs(cfg: PPOConfig, run_dir: Path) -> tuple[Path, Path]:
     return model_dir, prompts
 
 
-def build_worker_groups(cfg: PPOConfig, model_dir: Path, log_dir: Path) -> dict[str, WorkerGroup]:
+def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path) -> dict[str, WorkerGroup]:
     """One WorkerGroup per role, on the nodes labelled with that role; colocated roles share processes."""
-    conf = dataclasses.asdict(cfg)
+    conf = dataclasses.asdict(cfg) | {"cache_dir": str(Path(cfg.cache_dir or run_dir / "cache").absolute())}
     workers = {"actor_rollout": (ActorRollout, (str(model_dir), conf), {}),
+               "rollout": (Rollout, (str(model_dir), conf), {}),
                "critic": (Critic, (str(model_dir), conf), {}),
                "ref": (Reference, (str(model_dir), conf), {}),
                "reward": ((RewardModel, (cfg.reward_model_dir,), {}) if cfg.reward_model_dir
                           else (RuleReward, (str(model_dir), cfg.reward_fn), {}))}
     workers = {r: w for r, w in workers.items() if r in cfg.roles()}
-    opts = {"log_dir": log_dir, "restart_limit": cfg.restart_limit, "standby": cfg.standby}
+    opts = {"log_dir": run_dir / "logs", "restart_limit": cfg.restart_limit, "standby": cfg.standby}
     groups: dict[str, WorkerGroup] = {}
     for together in cfg.colocate:
         pool = ResourcePool.for_role(together[0], cfg.processes_per_node.get(together[0]), len(together))
@@ -214,13 +215,25 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
     run_dir = Path(run_dir)
     stop = stop or StopRequest()
     model_dir, prompts_path = prepare_inputs(cfg, run_dir)
-    groups = groups or build_worker_groups(cfg, model_dir, run_dir / "logs")
+    groups = groups or build_worker_groups(cfg, model_dir, run_dir)
     actor, critic, ref, reward = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "reward"))
+    rollout = groups.get("rollout")
+
+    def sync_weights() -> None:
+        if rollout:
+            rollout.load_weights(actor.export_weights.future())
+        else:
+            actor.sync_rollout_weights()
     dataset = PromptDataset(prompts_path, CharTokenizer.load(model_dir), cfg.batch_size, cfg.seed)
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
               else algo.FixedKLController(cfg.kl_coef))
     log = MetricsLog(run_dir / "metrics.jsonl")
-    checkpoints = RoleCheckpoints(CheckpointStore(run_dir, cfg.keep_last, cfg.keep_every), groups, cfg.async_save)
+    # the rollout role holds a copy of the actor's weights: nothing of its own to save
+    checkpoints = RoleCheckpoints(CheckpointStore(run_dir, cfg.keep_last, cfg.keep_every),
+                                  {r: g for r, g in groups.items() if r != "rollout"}, cfg.async_save)
+    if rollout:   # after a rebuild (and the actor's restore) the rollout must hold the actor's weights
+        for wg in (rollout, actor):
+            wg.on_restart(sync_weights)
     start = 0
     resumed = checkpoints.resume()
     if resumed:
@@ -228,6 +241,8 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
         dataset.load_state_dict(state["dataset"])
         kl_ctl.value = state["kl_coef"]
         log.truncate(state["metrics_bytes"])   # steps after the checkpoint are done again
+        if rollout:
+            sync_weights()
         print(f"resumed from checkpoint step {start} ({run_dir / 'ckpt'})", flush=True)
     history = []
     bar = _progress(cfg, start)
@@ -241,7 +256,7 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
             prompts["group"] = np.repeat(np.arange(cfg.batch_size), cfg.n_samples)
         prompts.meta["step"] = step
         with timer("generate"):
-            gen = actor.generate_sequences.future(prompts)
+            gen = (rollout or actor).generate_sequences.future(prompts)
             batch = gen.result()
         with timer("score"):
             futures = [actor.compute_log_prob.future(gen), reward.compute_scores.future(gen)]
@@ -263,7 +278,7 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
             with timer("update_actor"):
                 actor_stats = actor.update_actor(pad_for_ranks(batch, actor.world_size))[0]
             with timer("sync_weights"):
-                actor.sync_rollout_weights()
+                sync_weights()
 
         mask = batch["response_mask"]
         step_s = time.perf_counter() - t_step

@@ -1,12 +1,18 @@
 """Fixtures on the real local Slurm cluster (slurm/cluster)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from hpcrl.config import PPOConfig
+from hpcrl.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm" / "cluster"
@@ -59,3 +65,21 @@ def job_finished(job_id: str) -> bool:
 
 def queue_ids() -> set[str]:
     return set(sh("squeue", "-h", "-o", "%i").split())
+
+
+def run_local(tmp_path, cfg: PPOConfig):
+    """The trainer on a fresh local Ray, in its own process (so each run starts from a clean Ray)."""
+    code = ("import json, sys; from pathlib import Path; import ray\n"
+            "from hpcrl.config import PPOConfig; from hpcrl.trainer import train\n"
+            "from hpcrl.raycluster.session import start_local\n"
+            "cfg = PPOConfig(**json.loads(sys.argv[2])); run = Path(sys.argv[1])\n"
+            "start_local(cfg.roles(), run_dir=run, num_cpus=2)\n"
+            "train(cfg, run); ray.shutdown()\n")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-c", code, str(tmp_path), json.dumps(dataclasses.asdict(cfg))], check=True,
+                   timeout=900, cwd=ROOT)
+    return read_metrics(tmp_path / "metrics.jsonl")
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in records]

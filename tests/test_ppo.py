@@ -18,7 +18,7 @@ from hpcrl.tasks import copy as copy_task
 from hpcrl.trainer import compute_advantages, prepare_inputs
 from hpcrl.workers import ActorRollout, Critic, RewardModel, RuleReward
 
-from conftest import ROOT
+from conftest import ROOT, comparable, run_local
 
 TOK = CharTokenizer(copy_task.ALPHABET)
 
@@ -152,29 +152,14 @@ def test_reward_model_scores_the_last_real_token(tmp_path):
     torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=1e-5)
 
 
-def run_local(tmp_path, cfg: PPOConfig):
-    """The trainer on a fresh local Ray, in its own process (so each run starts from a clean Ray)."""
-    code = ("import json, sys; from pathlib import Path; import ray\n"
-            "from hpcrl.config import PPOConfig; from hpcrl.trainer import train\n"
-            "from hpcrl.raycluster.session import start_local\n"
-            "cfg = PPOConfig(**json.loads(sys.argv[2])); run = Path(sys.argv[1])\n"
-            "start_local(['actor_rollout', 'critic', 'ref', 'reward'], run_dir=run, num_cpus=2)\n"
-            "train(cfg, run); ray.shutdown()\n")
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-c", code, str(tmp_path), json.dumps(dataclasses.asdict(cfg))], check=True,
-                   timeout=900, cwd=ROOT)
-    return read_metrics(tmp_path / "metrics.jsonl")
-
-
-def comparable(records):
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in records]
-
-
-def test_split_and_colocated_layouts_give_identical_metrics(tmp_path):
+def test_split_colocated_and_separate_rollout_layouts_give_identical_metrics(tmp_path):
+    """The same seeds draw the same samples wherever generation runs: in actor_rollout, in a process
+    shared with ref, or in a separate rollout role that gets the actor's weights after each update."""
     cfg = PPOConfig(total_steps=3, progress=False)
     split = run_local(tmp_path / "split", cfg)
     fused = run_local(tmp_path / "fused", dataclasses.replace(cfg, colocate=[["actor_rollout", "ref"], ["critic", "reward"]]))
-    assert len(split) == 3 and comparable(split) == comparable(fused)
+    apart = run_local(tmp_path / "apart", dataclasses.replace(cfg, rollout_role=True))
+    assert len(split) == 3 and comparable(split) == comparable(fused) == comparable(apart)
     assert split[-1]["actor/pg_loss"] is not None and split[-1]["critic/vf_loss"] is not None
 
 

@@ -174,7 +174,7 @@ def test_a_rebuilt_role_comes_back_from_its_latest_committed_file(tmp_path):
     start_local(["actor_rollout", "critic", "ref", "reward"], run_dir=tmp_path, num_cpus=2)
     try:
         model_dir, _ = prepare_inputs(cfg, tmp_path)
-        groups = build_worker_groups(cfg, model_dir, tmp_path / "logs")
+        groups = build_worker_groups(cfg, model_dir, tmp_path)
         train(cfg, tmp_path, groups)
         critic, actor_pids = groups["critic"], groups["actor_rollout"].pids()
         os.kill(critic.pids()[0], signal.SIGKILL)

@@ -3,5 +3,6 @@ from hpcrl.workers.actor_rollout import ActorRollout
 from hpcrl.workers.critic import Critic
 from hpcrl.workers.reference import Reference
 from hpcrl.workers.reward import RewardModel, RuleReward
+from hpcrl.workers.rollout import Rollout
 
-__all__ = ["ActorRollout", "Critic", "Reference", "RewardModel", "RuleReward"]
+__all__ = ["ActorRollout", "Critic", "Reference", "RewardModel", "Rollout", "RuleReward"]

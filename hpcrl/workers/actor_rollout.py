@@ -6,31 +6,22 @@ import torch
 from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
 from hpcrl.config import PPOConfig
 from hpcrl.controller import Dispatch, Worker, register
-from hpcrl.engines import SamplingParams, TorchRollout, TorchTrainer
-from hpcrl.models import CharTokenizer, load_causal_lm, response_log_probs
+from hpcrl.engines import TorchRollout, TorchTrainer
+from hpcrl.models import load_causal_lm, response_log_probs
 from hpcrl.protocol import Batch
 from hpcrl.workers.common import Checkpointed, local_share, optim_config, ppo_updates, seed_all
+from hpcrl.workers.rollout import Generates, make_rollout_engine
 
 
-class ActorRollout(Checkpointed, Worker):
+class ActorRollout(Generates, Checkpointed, Worker):
+    """The policy; it also generates unless the job runs a separate `rollout` role."""
+
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
         seed_all(self.cfg.seed + self.rank)
         self.model = load_causal_lm(model_dir)
-        tok = CharTokenizer.load(model_dir)
-        self.rollout = TorchRollout(self.model, tok.pad_id, [tok.eos_id])
+        self.rollout = None if self.cfg.rollout_role else make_rollout_engine(self.cfg, model_dir, self.model, self.rank)
         self.engine = TorchTrainer(self.model, optim_config(self.cfg, self.cfg.actor_lr))
-        self.sampling = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k)
-
-    @register(Dispatch.DP_COMPUTE)
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """prompt_ids/prompt_mask -> + responses, response_mask, has_eos, input_ids, attention_mask."""
-        step = int(prompts.meta.get("step", 0))
-        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step * 1009 + self.rank)
-        out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], self.sampling, gen)
-        out["input_ids"] = torch.cat([prompts["prompt_ids"], out["responses"]], dim=1)
-        out["attention_mask"] = torch.cat([prompts["prompt_mask"], out["response_mask"]], dim=1)
-        return prompts.union(Batch(out, meta=prompts.meta))
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -48,7 +39,15 @@ class ActorRollout(Checkpointed, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> None:
-        """The torch rollout engine samples from the training module itself: nothing to copy."""
+        """Push the trained weights into this process's vLLM engine, in place. The torch engine
+        samples from the training module itself: nothing to copy."""
+        if self.rollout is not None and not isinstance(self.rollout, TorchRollout):
+            self.rollout.load_weights(self.model.state_dict())
+
+    @register(Dispatch.RANK_ZERO)
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's parameters by HF name, for a separate rollout role's `load_weights`."""
+        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def _loss(self, module, mb: Batch, total_tokens: float, total_seqs: float):
         cfg, mask = self.cfg, mb["response_mask"]
@@ -73,3 +72,4 @@ class ActorRollout(Checkpointed, Worker):
 
     def load_checkpoint_state(self, state: dict) -> None:
         self.engine.load_state_dict(state)
+        self.sync_rollout_weights()

