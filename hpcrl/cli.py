@@ -1,4 +1,4 @@
-"""`hpcrl` command line: validate, render, submit and run job specs; status of a run."""
+"""`hpcrl` command line: validate, render, submit and run job specs; a run's status, logs, report, checkpoints."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,7 @@ import sys
 import time
 
 from hpcrl import __version__
+from hpcrl.slurm.submit import SubmitError
 from hpcrl.spec import SpecError, load_spec
 
 
@@ -66,15 +67,40 @@ def cmd_submit(args) -> int:
     t0 = time.monotonic()
     roles = {i: ",".join(r for r, c in handle.members.items() if c == i) for i in set(handle.members.values())}
 
-    def show(states):
-        line = "  ".join(f"{i}:{roles.get(i, '?')}={s}" for i, s in sorted(states.items()))
-        print(f"[{time.monotonic() - t0:7.1f}s] job {handle.job_id}: {line}", flush=True)
+    def say(text):
+        print(f"[{time.monotonic() - t0:7.1f}s] job {handle.job_id}: {text}", flush=True)
 
-    states = handle.wait(on_change=show)
+    def show(states):
+        say("  ".join(f"{i}:{roles.get(i, '?')}={s}" for i, s in sorted(states.items())))
+
+    states = handle.wait(on_change=show, on_poll=_run_progress(handle.run_dir, say))
     if handle.submitit_job is not None and states.get(0) == "COMPLETED":
         print(f"result: {handle.result()}")
     _print_metrics(handle.run_dir)
     return 0 if all(s == "COMPLETED" for s in states.values()) else 1
+
+
+def _run_progress(run_dir, say):
+    """A poll callback that says when Ray is up and how far training got (from the run's files)."""
+    from hpcrl.status import read_status
+
+    seen = {"ray": set(), "step": None, "printed": 0.0, "state": None}
+
+    def poll():
+        for ready in (run_dir / "ray").glob("ready.*"):     # one per start: a requeued job starts Ray again
+            if ready.name not in seen["ray"]:
+                seen["ray"].add(ready.name)
+                say(f"Ray cluster ready: {ready.read_text().strip()}")
+        run = read_status(run_dir)
+        if not run:
+            return
+        if run["step"] != seen["step"] and (time.monotonic() - seen["printed"] > 5 or run["step"] == run["total_steps"]):
+            seen["step"], seen["printed"] = run["step"], time.monotonic()
+            say(f"step {run['step']}/{run['total_steps']} ({run['phase'] or run['state']})")
+        if run["state"] != seen["state"] and run["state"] in ("finished", "stopped", "failed"):
+            say(f"driver {run['state']}" + (f": {run['error']}" if run.get("error") else ""))
+        seen["state"] = run["state"]
+    return poll
 
 
 def _print_metrics(run_dir) -> None:
@@ -108,42 +134,143 @@ def cmd_run(args) -> int:
     print(f"run dir {run_dir}; roles {', '.join(cfg.roles())} on one local Ray node", flush=True)
     start_local(list(spec.roles), run_dir=run_dir, num_cpus=args.num_cpus)
     try:
-        train(cfg, run_dir)
+        train(cfg, run_dir, tensorboard=spec.metrics.tensorboard)
     finally:
         ray.shutdown()
     _print_metrics(run_dir)
     return 0
 
 
-def cmd_status(args) -> int:
-    """From the run directory's files and Slurm only: no Ray connection from the login node."""
-    import json
+def _run_dir_of(target: str):
+    """A run directory, or a job id whose Slurm output file lies in RUN_DIR/logs/."""
     from pathlib import Path
 
-    from hpcrl.slurm.submit import SubmitError, component_states
+    from hpcrl.slurm.cluster import SlurmCommandError, parse_records, slurm_cmd
 
-    run_dir = Path(args.run_dir)
+    if not target.isdigit() or Path(target).is_dir():
+        return Path(target)
     try:
-        rec = json.loads((run_dir / "job.json").read_text())
-    except OSError:
-        raise SubmitError(f"{run_dir} has no job.json: not a run directory of a submitted job") from None
+        rec = parse_records(slurm_cmd("scontrol", "show", "job", "-o", target))[0]
+    except SlurmCommandError:
+        raise SubmitError(f"job {target} is not known to slurmctld (any more); pass its run directory instead") from None
+    return Path(rec["StdOut"]).parent.parent
+
+
+def gather_status(run_dir) -> dict:
+    """Everything `hpcrl status` shows, from Slurm and the run's files (no Ray connection)."""
+    import json
+
+    from hpcrl.checkpoint import CheckpointStore
+    from hpcrl.slurm.submit import component_states
+    from hpcrl.status import read_status
+
+    def read(name):
+        path = run_dir / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+    job, alloc, cluster = read("job.json"), read("allocation.json"), read("ray/cluster.json")
+    if job is None and read_status(run_dir) is None:
+        raise SubmitError(f"{run_dir} has neither job.json nor status.json: not a run directory")
+    out = {"run_dir": str(run_dir.resolve()), "job": None, "components": [], "run": read_status(run_dir)}
+    if job:
+        try:
+            states, slurm_error = component_states(job["job_id"]), None
+        except SubmitError as e:
+            states, slurm_error = {}, str(e)
+        out["job"] = {"id": job["job_id"], "name": job["name"], "via": job["via"], "slurm_error": slurm_error,
+                      "restart_count": alloc["restart_count"] if alloc else 0}
+        comps = {c["index"]: c for c in (alloc or {}).get("components", [])}
+        for index in sorted(set(job["members"].values())):
+            c = comps.get(index, {})
+            out["components"].append({"index": index, "roles": [r for r, i in job["members"].items() if i == index],
+                                      "state": states.get(index, "?"), "partition": c.get("partition"),
+                                      "nodes": [n["name"] for n in c.get("nodes", [])]})
+    store = CheckpointStore(run_dir)
+    steps = store.committed_steps() if store.root.exists() else []
+    if steps:
+        manifest = store.manifest(steps[-1])
+        out["checkpoint"] = {"step": steps[-1], "committed_at": manifest.get("time"),
+                             "path": str(store.step_dir(steps[-1]))}
+    else:
+        out["checkpoint"] = None
+    names = {n["addr"]: n["name"] for n in (cluster or {}).get("nodes", [])}
+    for role in ((out["run"] or {}).get("roles") or {}).values():
+        for r in role["ranks"]:
+            r["node"] = names.get(r["node_ip"], r["node_ip"])
+    return out
+
+
+def _age(t) -> str:
+    if not t:
+        return "?"
+    s = max(0, time.time() - t)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def format_status(st: dict) -> str:
+    lines = []
+    job, run = st["job"], st["run"]
+    if job:
+        lines.append(f"job {job['id']} ({job['name']}, via {job['via']}), restarts {job['restart_count']}"
+                     + (f"; {job['slurm_error']}" if job["slurm_error"] else ""))
+        for c in st["components"]:
+            lines.append(f"  component {c['index']} {','.join(c['roles']):22s} {c['state']:11s} "
+                         f"partition {c['partition'] or '?':8s} nodes {' '.join(c['nodes']) or '-'}")
+    if run:
+        where = f", {run['phase']} for {time.time() - run['phase_since']:.0f} s" if run.get("phase") and run.get("phase_since") else ""
+        lines.append(f"run: {run['state']}, step {run['step']}/{run['total_steps']}{where} (status written {_age(run['updated'])})")
+        if run.get("error"):
+            lines.append(f"  error: {run['error']}")
+        for name, role in run["roles"].items():
+            ranks = " ".join(f"rank{r['rank']}@{r['node']}(pid {r['pid']})" for r in role["ranks"])
+            lines.append(f"  {name:16s} {role['state']:10s} restarts {role['restarts']}  {ranks}")
+            if role.get("last_error"):
+                lines.append(f"  {'':16s} last error: {role['last_error']}")
+    else:
+        lines.append("run: the driver has not started yet (no status.json)")
+    ck = st["checkpoint"]
+    lines.append(f"checkpoint: step {ck['step']}, committed {_age(ck['committed_at'])}, {ck['path']}" if ck
+                 else "checkpoint: none committed yet")
+    return "\n".join(lines)
+
+
+def cmd_status(args) -> int:
+    """From Slurm and the run directory's files only: no Ray connection from the login node."""
+    import json
+
+    st = gather_status(_run_dir_of(args.target))
+    print(json.dumps(st, indent=1) if args.json else format_status(st))
+    return 0
+
+
+def cmd_logs(args) -> int:
+    from hpcrl.logs import follow, log_files, merged_lines
+    from hpcrl.status import read_status
+
+    run_dir = _run_dir_of(args.target)
     try:
-        states = component_states(rec["job_id"])
-    except SubmitError as e:
-        states = {}
-        print(f"job {rec['job_id']}: {e}")
-    alloc_path, cluster_path = run_dir / "allocation.json", run_dir / "ray" / "cluster.json"
-    alloc = json.loads(alloc_path.read_text()) if alloc_path.exists() else None
-    cluster = json.loads(cluster_path.read_text()) if cluster_path.exists() else None
-    print(f"job {rec['job_id']} ({rec['name']}, via {rec['via']})"
-          + (f", restarts {alloc['restart_count']}" if alloc else ""))
-    for role, comp in rec["members"].items():
-        nodes = [n for n in (cluster or {}).get("nodes", []) if n["component"] == comp]
-        where = " ".join(f"{n['name']}@{n['addr']}" + ("(head)" if cluster["head"]["name"] == n["name"] else "")
-                         for n in nodes) or "not started"
-        print(f"  {role:16s} component {comp}  {states.get(comp, '?'):10s} ray nodes: {where}")
-    if cluster:
-        print(f"  ray: {cluster['address']}, token {run_dir / 'ray' / 'token'}")
+        files = log_files(run_dir, args.source, args.rank)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.follow:
+        follow(run_dir, args.source, args.rank,
+               until=lambda: (read_status(run_dir) or {}).get("state") in ("finished", "failed"))
+        return 0
+    for line in merged_lines(files):
+        print(line)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from hpcrl.report import write_report
+
+    try:
+        index = write_report(_run_dir_of(args.target))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {index}")
     return 0
 
 
@@ -209,16 +336,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run_dir", help="run directory")
     c.add_argument("step", nargs="?", type=int, help="verify only this step")
     c.set_defaults(fn=cmd_ckpt)
-    c = sub.add_parser("status", help="a run's Slurm state per component and its Ray nodes by role")
-    c.add_argument("run_dir", help="run directory of a submitted job")
+    c = sub.add_parser("status", help="a run's Slurm components, its roles' ranks and health, step, phase, "
+                                      "last checkpoint (no Ray connection needed)")
+    c.add_argument("target", help="run directory, or the job id of a job slurmctld still knows")
+    c.add_argument("--json", action="store_true", help="the same as JSON, for scripts")
     c.set_defaults(fn=cmd_status)
+    c = sub.add_parser("logs", help="a run's logs merged by time: driver (Slurm output), each role's ranks, Ray nodes")
+    c.add_argument("target", help="run directory, or job id")
+    c.add_argument("source", nargs="?", help="only this: a role name, `driver` or `ray`")
+    c.add_argument("--rank", type=int, help="only this rank of the role")
+    c.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends (or Ctrl-C)")
+    c.set_defaults(fn=cmd_logs)
+    c = sub.add_parser("report", help="write RUN_DIR/report/: PNG curves, per-phase time chart, index.html")
+    c.add_argument("target", help="run directory, or job id")
+    c.set_defaults(fn=cmd_report)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from hpcrl.slurm.cluster import SlurmCommandError
-    from hpcrl.slurm.submit import SubmitError
 
     try:
         return args.fn(args)

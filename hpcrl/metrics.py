@@ -1,4 +1,5 @@
-"""RUN_DIR/metrics.jsonl: one JSON object per training step, appended and flushed as it happens."""
+"""RUN_DIR/metrics.jsonl: one JSON object per training step, appended and flushed as it happens;
+optionally the same scalars as TensorBoard events in RUN_DIR/tensorboard/."""
 from __future__ import annotations
 
 import json
@@ -7,15 +8,28 @@ from pathlib import Path
 
 
 class MetricsLog:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, tensorboard: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.board = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise RuntimeError(f"metrics.tensorboard: true, but TensorBoard does not import ({e}); "
+                                   "pip install tensorboard, or set it false") from e
+            self.board = SummaryWriter(str(self.path.parent / "tensorboard"))
 
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.board is not None:
+            for key, value in record.items():
+                if key not in ("step", "time") and isinstance(value, (int, float)):
+                    self.board.add_scalar(key, value, record["step"], walltime=record.get("time"))
+            self.board.flush()
 
 
     def size(self) -> int:

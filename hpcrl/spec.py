@@ -101,6 +101,14 @@ class RoleSpec(BaseModel):
         return Gres("gpu", self.gpu_type, self.gpus_per_node) if self.gpus_per_node else None
 
 
+class MetricsSpec(BaseModel):
+    """Where the per-step metrics go besides RUN_DIR/metrics.jsonl."""
+    model_config = ConfigDict(extra="forbid")
+
+    tensorboard: bool = False
+    """Also write TensorBoard events to RUN_DIR/tensorboard/ (needs the tensorboard package)."""
+
+
 class JobSpec(BaseModel):
     """A whole hpcrl job: name, run directory, requeue policy, roles and training settings."""
     model_config = ConfigDict(extra="forbid")
@@ -126,6 +134,8 @@ class JobSpec(BaseModel):
     """Python interpreter on the compute nodes; None: the one running hpcrl (shared filesystem)."""
     train: dict[str, Any] = Field(default_factory=dict)
     """Training settings, read by the trainer."""
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    """metrics.tensorboard: true adds TensorBoard output."""
     _source: str = PrivateAttr("")
 
     @field_validator("name")

@@ -27,13 +27,14 @@ class SubmititTraining(submitit.helpers.Checkpointable):
         from hpcrl.trainer import StopRequest, train   # here: `import hpcrl` must not import the trainer
 
         run_dir = Path(self.run_dir)
-        cfg = PPOConfig.from_dict(load_spec(run_dir / "spec.yaml", run_dir=run_dir).train)
+        spec = load_spec(run_dir / "spec.yaml", run_dir=run_dir)
+        cfg = PPOConfig.from_dict(spec.train)
         connect(run_dir)
         self._stop, outcome = StopRequest(), {}
 
         def run():
             try:
-                outcome["reason"] = train(cfg, run_dir, stop=self._stop)[1]
+                outcome["reason"] = train(cfg, run_dir, stop=self._stop, tensorboard=spec.metrics.tensorboard)[1]
             except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
                 outcome["error"] = e
         self._thread = threading.Thread(target=run, name="hpcrl-train")

@@ -32,6 +32,7 @@ from hpcrl.data import PromptDataset
 from hpcrl.metrics import MetricsLog
 from hpcrl.models import CharTokenizer, create_model_dir
 from hpcrl.protocol import Batch
+from hpcrl.status import RunStatus
 from hpcrl.tasks import copy as copy_task
 from hpcrl.workers import ActorRollout, Critic, Reference, RewardModel, Rollout, RuleReward
 
@@ -139,8 +140,9 @@ class RoleCheckpoints:
     """The driver's half of checkpointing: every role writes its own file, the driver commits the
     step with a manifest once all have succeeded. Frozen roles are written once."""
 
-    def __init__(self, store: CheckpointStore, groups: dict[str, WorkerGroup], background: bool):
-        self.store, self.groups, self.background = store, groups, background
+    def __init__(self, store: CheckpointStore, groups: dict[str, WorkerGroup], background: bool,
+                 on_commit=lambda step, nbytes, seconds: None):
+        self.store, self.groups, self.background, self.on_commit = store, groups, background, on_commit
         self.frozen = {r: wg.worker_cls.frozen for r, wg in groups.items()}
         self.written: dict[str, dict] = {}          # frozen role -> its one file
         self.pending: tuple | None = None           # a background save not committed yet
@@ -149,6 +151,7 @@ class RoleCheckpoints:
 
     def save(self, step: int, driver_state: dict, background: bool = False) -> None:
         self.finish()
+        t0 = time.perf_counter()
         background = background and self.background
         files, futures = {}, {}
         for role, wg in self.groups.items():
@@ -161,7 +164,7 @@ class RoleCheckpoints:
             files[role] = {"path": str(path.relative_to(self.store.root)), **fut.result()[0]}
             if self.frozen[role]:
                 self.written[role] = files[role]
-        self.pending = (step, files, driver_state)
+        self.pending = (step, files, driver_state, t0, set(futures))
         if not background:
             self.finish()
 
@@ -169,14 +172,16 @@ class RoleCheckpoints:
         """Wait for background writes, then commit the step."""
         if self.pending is None:
             return
-        step, files, driver_state = self.pending
+        step, files, driver_state, t0, fresh = self.pending
         for role, info in files.items():
             if info.pop("pending", False):
                 info.update(self.groups[role].finish_checkpoint())
         self.store.commit(step, files, driver_state)
         self.pending = None
+        self.on_commit(step, sum(files[r]["bytes"] for r in fresh), time.perf_counter() - t0)
 
-    def resume(self) -> tuple[int, dict] | None:
+    def resume(self) -> tuple[int, dict, int] | None:
+        """Load every role from the newest good step: (step, the driver's state, bytes read), or None."""
         found = self.store.latest_good()
         if found is None:
             return None
@@ -186,7 +191,7 @@ class RoleCheckpoints:
         for f in futures:
             f.result()
         self.written = {r: info for r, info in manifest["roles"].items() if self.frozen.get(r)}
-        return step, manifest["driver"]
+        return step, manifest["driver"], sum(info["bytes"] for r, info in manifest["roles"].items() if r in self.groups)
 
     def restore_role(self, role: str) -> None:
         """After a role was rebuilt: its file from the newest committed step, if there is one."""
@@ -198,24 +203,43 @@ class RoleCheckpoints:
 
 
 class _Timer:
-    def __init__(self):
+    """Times each phase of a step, and tells the run status which phase is running."""
+
+    def __init__(self, status: RunStatus, step: int):
         self.times: dict[str, float] = {}
+        self.status, self.step = status, step
 
     @contextmanager
     def __call__(self, phase: str):
+        self.status.phase(self.step, phase)
         t0 = time.perf_counter()
         yield
         self.times[f"timing/{phase}"] = round(time.perf_counter() - t0, 4)
 
 
 def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
-          stop: StopRequest | None = None) -> tuple[list[dict], str | None]:
+          stop: StopRequest | None = None, tensorboard: bool = False) -> tuple[list[dict], str | None]:
     """Train to cfg.total_steps, resuming from the run's newest good checkpoint. Returns (this
-    call's metrics records, why it stopped early or None)."""
+    call's metrics records, why it stopped early or None). RUN_DIR/status.json and events.jsonl
+    say what it is doing (hpcrl status, hpcrl report)."""
     run_dir = Path(run_dir)
-    stop = stop or StopRequest()
     model_dir, prompts_path = prepare_inputs(cfg, run_dir)
     groups = groups or build_worker_groups(cfg, model_dir, run_dir)
+    status = RunStatus(run_dir, cfg.total_steps, groups)
+    try:
+        history, reason = _train(cfg, run_dir, model_dir, prompts_path, groups, status, stop or StopRequest(),
+                                 MetricsLog(run_dir / "metrics.jsonl", tensorboard))
+    except BaseException as e:
+        status.event("fail", step=status.doc["step"], error=f"{type(e).__name__}: {e}".strip().splitlines()[-1])
+        raise
+    if reason:
+        status.event("stop", step=status.doc["step"], reason=reason)
+    else:
+        status.event("finish", step=cfg.total_steps)
+    return history, reason
+
+
+def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, stop: StopRequest, log: MetricsLog):
     actor, critic, ref, reward = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "reward"))
     rollout = groups.get("rollout")
 
@@ -224,30 +248,39 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
             rollout.load_weights(actor.export_weights.future())
         else:
             actor.sync_rollout_weights()
+
+    def committed(step: int, nbytes: int, seconds: float) -> None:
+        status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))
+        print(f"{_now()} checkpoint step {step} committed: {nbytes / 1e6:.1f} MB written in {seconds:.2f} s "
+              f"({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)", flush=True)
+
     dataset = PromptDataset(prompts_path, CharTokenizer.load(model_dir), cfg.batch_size, cfg.seed)
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
               else algo.FixedKLController(cfg.kl_coef))
-    log = MetricsLog(run_dir / "metrics.jsonl")
     # the rollout role holds a copy of the actor's weights: nothing of its own to save
     checkpoints = RoleCheckpoints(CheckpointStore(run_dir, cfg.keep_last, cfg.keep_every),
-                                  {r: g for r, g in groups.items() if r != "rollout"}, cfg.async_save)
+                                  {r: g for r, g in groups.items() if r != "rollout"}, cfg.async_save, committed)
     if rollout:   # after a rebuild (and the actor's restore) the rollout must hold the actor's weights
         for wg in (rollout, actor):
             wg.on_restart(sync_weights)
     start = 0
+    t_load = time.perf_counter()
     resumed = checkpoints.resume()
     if resumed:
-        start, state = resumed
+        start, state, nbytes = resumed
         dataset.load_state_dict(state["dataset"])
         kl_ctl.value = state["kl_coef"]
         log.truncate(state["metrics_bytes"])   # steps after the checkpoint are done again
         if rollout:
             sync_weights()
-        print(f"resumed from checkpoint step {start} ({run_dir / 'ckpt'})", flush=True)
+        seconds = time.perf_counter() - t_load
+        print(f"{_now()} resumed from checkpoint step {start} ({run_dir / 'ckpt'}): {nbytes / 1e6:.1f} MB read in "
+              f"{seconds:.2f} s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)", flush=True)
+    status.event("start", step=start, resumed=bool(resumed), total_steps=cfg.total_steps)
     history = []
     bar = _progress(cfg, start)
     for step in range(start + 1, cfg.total_steps + 1):
-        timer, t_step = _Timer(), time.perf_counter()
+        timer, t_step = _Timer(status, step), time.perf_counter()
 
         # 1. rollout, then everything that only reads the rollout, issued together as futures
         prompts = dataset.next_batch()
@@ -283,7 +316,8 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
         mask = batch["response_mask"]
         step_s = time.perf_counter() - t_step
         tokens = int(mask.sum() + batch["prompt_mask"].sum())
-        record = {"step": step, "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
+        record = {"step": step, "time": round(time.time(), 3),
+                  "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
                   **kl_metrics,
                   "actor/pg_loss": actor_stats.get("pg_loss"), "actor/clipfrac": actor_stats.get("clipfrac"),
                   "actor/entropy": float(algo.masked_mean(batch["entropy"], mask)),
@@ -299,19 +333,24 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
         # 4. checkpoint: periodically, at the end, and when asked to stop (then stop)
         reason = stop.check()
         if reason or step == cfg.total_steps or (cfg.save_every and step % cfg.save_every == 0):
+            status.phase(step, "checkpoint")
             checkpoints.save(step, {"step": step, "dataset": dataset.state_dict(), "kl_coef": kl_ctl.value,
                                     "metrics_bytes": log.size()}, background=not reason and step < cfg.total_steps)
         if reason:
             checkpoints.finish()
-            print(f"stopped after step {step} ({reason}); checkpoint committed "
+            print(f"{_now()} stopped after step {step} ({reason}); checkpoint committed "
                   f"{time.time() - stop.since:.2f} s after the request", flush=True)
             return history, reason
     checkpoints.finish()
     return history, None
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
 def _progress(cfg: PPOConfig, start: int = 0):
-    """tqdm on a terminal; a plain line every 10 steps in a Slurm log."""
+    """A live tqdm bar on a terminal; in a file (the Slurm output), one dated line per step."""
     if not cfg.progress:
         return lambda record: None
     if sys.stderr.isatty():
@@ -327,9 +366,11 @@ def _progress(cfg: PPOConfig, start: int = 0):
         return show
 
     def line(r):
-        if r["step"] % 10 == 0 or r["step"] in (1, cfg.total_steps):
-            print(f"step {r['step']}/{cfg.total_steps} reward {r['reward/mean']:.3f} kl {r['kl']:.4f} "
-                  f"tokens/s {r['throughput/tokens_per_s']:.0f}", flush=True)
+        losses = "".join(f" {name} {r[key]:.4f}" for name, key in (("pg_loss", "actor/pg_loss"), ("vf_loss", "critic/vf_loss"))
+                         if r.get(key) is not None)
+        print(f"{_now()} step {r['step']}/{cfg.total_steps} reward {r['reward/mean']:.3f} kl {r['kl']:.4f}{losses} "
+              f"resp_len {r['response_length/mean']:.2f} tokens/s {r['throughput/tokens_per_s']:.0f} "
+              f"({r['timing/step']:.2f} s)", flush=True)
     return line
 
 
@@ -356,7 +397,7 @@ def main(argv=None) -> int:
     cfg = PPOConfig.from_dict(spec.train)
     connect(args.run_dir)
     try:
-        _, reason = train(cfg, args.run_dir, stop=stop)
+        _, reason = train(cfg, args.run_dir, stop=stop, tensorboard=spec.metrics.tensorboard)
     finally:
         ray.shutdown()
     if reason:

@@ -82,4 +82,18 @@ def run_local(tmp_path, cfg: PPOConfig):
 
 
 def comparable(records):
-    return [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in records]
+    """Metrics records without what depends on the clock (when, how long, how fast)."""
+    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("timing/", "throughput/"))} for r in records]
+
+
+def plot_pixels_seen_by_chromium(html: Path, shot: Path) -> int:
+    """Open html in headless Chromium, as a user's browser would, and count the screenshot's pixels
+    in matplotlib's first line colour (#1f77b4): only the report's images contain it."""
+    import numpy as np
+    from matplotlib import image
+
+    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                    f"--screenshot={shot}", "--window-size=1400,6000", html.resolve().as_uri()],
+                   check=True, capture_output=True, timeout=120)
+    rgb = image.imread(shot)[..., :3] * 255
+    return int((np.abs(rgb - np.array([31, 119, 180])).max(axis=-1) < 12).sum())

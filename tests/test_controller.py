@@ -2,6 +2,7 @@
 real SIGKILLs."""
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -185,9 +186,10 @@ def test_killed_rank_rebuilds_its_role_only_and_the_call_completes(ray_local, ca
         new_a = a.pids()
         assert set(new_a).isdisjoint(a_pids) and b.pids() == b_pids
         assert a.count() == [1, 1] and b.count() == [2, 2]   # a restarted from init, b kept its state
-        # per-role logs, role and rank on every line, from both the old and the rebuilt process
+        # per-role logs, dated, role and rank on every line, from both the old and the rebuilt process
         lines = (ray_local / "logs" / "a" / "rank1.log").read_text().splitlines()
-        assert lines.count("[a rank1] built a at rank 1") == 2
+        assert [line[24:] for line in lines].count("[a rank1] built a at rank 1") == 2
+        assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \[a rank1\] ", line) for line in lines)
     finally:
         a.shutdown()
         b.shutdown()

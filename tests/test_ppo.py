@@ -201,3 +201,25 @@ def test_ppo_hetjob_learns_on_the_local_cluster(slurm_cluster, tmp_path):
             first = (run / "logs" / role / "rank0.log").read_text().splitlines()[0]
             node_ip = re.search(r"\[" + role + r" rank0\] rank 0 of 1 on node (\S+),", first).group(1)
             assert node_ip in [n["addr"] for n in comp["nodes"]], (role, comp["partition"], first)
+
+    # what a user sees after the job: status, one role's logs, all logs merged by time
+    def hpcrl(*args):
+        return subprocess.run([sys.executable, "-m", "hpcrl", *args], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout
+    st = json.loads(hpcrl("status", str(run), "--json"))
+    assert [c["state"] for c in st["components"]] == ["COMPLETED"] * 3
+    assert {r: c["partition"] for c in st["components"] for r in c["roles"]} == {
+        "actor_rollout": "a100", "critic": "h100", "ref": "cpu", "reward": "cpu"}
+    assert st["run"]["state"] == "finished" and st["run"]["step"] == 200 and st["checkpoint"]["step"] == 200
+    for role, info in st["run"]["roles"].items():
+        comp = next(c for c in st["components"] if role in c["roles"])
+        assert info["state"] == "alive" and [r["node"] for r in info["ranks"]] == comp["nodes"], (role, info)
+    critic = hpcrl("logs", str(run), "critic").splitlines()
+    assert critic and all(line.startswith("critic/rank0  ") and "[critic rank0]" in line for line in critic)
+    merged = hpcrl("logs", str(run)).splitlines()
+    sources = {line.split()[0] for line in merged}
+    assert {"driver", "actor_rollout/rank0", "critic/rank0", "ref/rank0", "reward/rank0"} <= sources
+    # by time: every role was built (in its own file) before the driver's first step (in the Slurm output)
+    first_step = next(i for i, line in enumerate(merged) if "step 1/200 " in line)
+    for role in st["run"]["roles"]:
+        assert next(i for i, line in enumerate(merged) if f"[{role} rank0] rank 0 of 1 on node" in line) < first_step

@@ -3,6 +3,7 @@ real SIGUSR1, and on the local Slurm cluster with real preemption and a real tim
 import dataclasses
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import yaml
 from hpcrl.config import PPOConfig
 from hpcrl.metrics import read_metrics
 
-from conftest import ROOT, job_finished, sh, wait_until
+from conftest import ROOT, comparable, job_finished, plot_pixels_seen_by_chromium, sh, wait_until
 
 LOCAL = """
 import json, sys; from pathlib import Path; import ray
@@ -51,8 +52,7 @@ def assert_same_training(a, b, steps):
     assert sa.keys() == sb.keys()
     differ = [k for k in sa if not (sa[k].dtype == sb[k].dtype and np.array_equal(bits(sa[k]), bits(sb[k])))]
     assert not differ, f"{len(differ)} datasets differ, e.g. {differ[:3]}"
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("timing/", "throughput/"))} for r in rs]  # noqa: E731
-    assert strip(read_metrics(a / "metrics.jsonl")) == strip(read_metrics(b / "metrics.jsonl"))
+    assert comparable(read_metrics(a / "metrics.jsonl")) == comparable(read_metrics(b / "metrics.jsonl"))
 
 
 def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
@@ -98,6 +98,12 @@ def submit(spec, run):
     return json.loads((run / "job.json").read_text())["job_id"]
 
 
+def status(run) -> dict:
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run), "--json"], capture_output=True,
+                         text=True, cwd=ROOT, check=True)
+    return json.loads(out.stdout)
+
+
 def slurm_log(run):
     return "".join(p.read_text() for p in sorted((run / "logs").glob("slurm-*.out")))
 
@@ -113,6 +119,10 @@ def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
     job = submit(spec, twice)
     at = random.Random().randint(5, 25)
     wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= at, 300, f"{at} steps")
+    st = status(twice)   # while it runs, from the login node: no Ray connection
+    assert st["run"]["state"] == "running" and st["run"]["step"] >= at - 1, st["run"]
+    assert [c["state"] for c in st["components"]] == ["RUNNING"] * 3
+    assert all(role["state"] == "alive" for role in st["run"]["roles"].values())
     node = json.loads((twice / "allocation.json").read_text())["components"][0]["nodes"][0]["name"]
     urgent = sh("sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-o", "/dev/null",
                 "--wrap", "sleep 1").strip()
@@ -122,6 +132,14 @@ def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
     assert "stopped after step" in log and "resumed from checkpoint step" in log, log
     assert json.loads((twice / "allocation.json").read_text())["restart_count"] >= 1
     assert_same_training(once, twice, 40)
+    st = status(twice)
+    assert st["job"]["restart_count"] >= 1 and st["run"]["state"] == "finished" and st["checkpoint"]["step"] == 40
+    # the report of a real requeue: the restart is in the page, and the page renders its plots
+    subprocess.run([sys.executable, "-m", "hpcrl", "report", str(twice)], cwd=ROOT, check=True, capture_output=True)
+    stopped_at = int(re.search(r"stopped after step (\d+)", log).group(1))
+    page = (twice / "report" / "index.html").read_text()
+    assert f"1 (resumed at steps {stopped_at})" in page, page
+    assert plot_pixels_seen_by_chromium(twice / "report" / "index.html", tmp_path / "shot.png") > 5000
 
 
 @pytest.mark.slurm

@@ -11,6 +11,7 @@ import io
 import os
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -83,8 +84,10 @@ class WorkerHost:
 
     def log_line(self, line: str, echo) -> None:
         prefixed = f"[{self.current} rank{self.rank}] {line}\n"
-        if self.current in self.files:
-            self.files[self.current].write(prefixed)
+        if self.current in self.files:   # dated in the file, so `hpcrl logs` can merge files by time
+            now = time.time()
+            self.files[self.current].write(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}"
+                                           f".{int(now % 1 * 1000):03d} {prefixed}")
         echo.write(prefixed)
 
     def rendezvous(self) -> tuple[str, int]:

@@ -23,7 +23,7 @@ from collections import deque
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hpcrl.controller.dispatch import DispatchMode, registered_methods
@@ -51,11 +51,19 @@ class _HostSet:
         self.name = "+".join(workers)
         self.restart_limit, self.dist_timeout_s = restart_limit, dist_timeout_s
         self.restarts: deque[float] = deque()
+        self.restarts_total, self.state, self.last_error = 0, "starting", None
         self.restore_hooks: list[Callable[[], None]] = []
+        self.listeners: list[Callable[[], None]] = []   # told when state or last_error changes
         self.pg = pool.placement_group(len(workers))
         self.keep_standby = standby
         self.retired: set[str] = set()   # actor ids replaced by a rebuild: errors from them are old news
         self._start(self._hosts(standby=False))
+        self._set_state("alive")
+
+    def _set_state(self, state: str, error: str | None = None) -> None:
+        self.state, self.last_error = state, error or self.last_error
+        for listener in self.listeners:
+            listener()
 
     def _hosts(self, standby: bool) -> list:
         """New idle host processes, one per rank: in the rank's bundle, or (standby) beside it on
@@ -90,6 +98,8 @@ class _HostSet:
             raise RoleRestartLimit(f"role {self.name}: {why}; it was already rebuilt {len(self.restarts)} times "
                                    f"in the last hour (restart_limit={self.restart_limit}), so the run stops here")
         self.restarts.append(now)
+        self.restarts_total += 1
+        self._set_state("restarting", why)
         log.warning("role %s: %s; rebuilding it (restart %d of %d allowed per hour)",
                     self.name, why, len(self.restarts), self.restart_limit)
         t0 = time.monotonic()
@@ -102,6 +112,7 @@ class _HostSet:
             self._start(self._hosts(standby=False))
         for hook in self.restore_hooks:
             hook()
+        self._set_state("alive")
         log.warning("role %s: rebuilt in %.2f s", self.name, time.monotonic() - t0)
 
     def shutdown(self) -> None:
@@ -139,6 +150,18 @@ class WorkerGroup:
     def on_restart(self, hook: Callable[[], None]) -> None:
         """Run hook after this group's processes were rebuilt (to load the role's checkpoint)."""
         self._hosts.restore_hooks.append(hook)
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call listener when the group starts or finishes a rebuild, or one of its calls fails."""
+        self._hosts.listeners.append(listener)
+
+    def describe(self) -> dict:
+        """Where the ranks run and how the group fares, from what the driver already knows (no Ray call)."""
+        h = self._hosts
+        ppn = h.pool.processes_per_node
+        return {"world_size": self.world_size, "state": h.state, "restarts": h.restarts_total,
+                "last_error": h.last_error, "process": h.name,
+                "ranks": [{"rank": r, "node_ip": h.pool.node_ips[r // ppn], "pid": pid} for r, pid in enumerate(h.pids)]}
 
     def shutdown(self) -> None:
         self._hosts.shutdown()
@@ -178,6 +201,10 @@ class GroupFuture:
                 return self.method.mode.collect(ray.get(self.refs))
             except RayActorError as e:
                 self.recover(e)
+            except RayTaskError as e:    # the role's own code raised: the run stops; say where first
+                hosts = self.method.wg._hosts
+                hosts._set_state(hosts.state, f"{self.method.name}: {_last_line(e)}")
+                raise
 
     def recover(self, error: RayActorError) -> None:
         """Rebuild whichever group lost the process named by error (ours or an input's), call again."""
@@ -209,6 +236,11 @@ class GroupFuture:
             return list(self.refs)
         refs = _rechunk.options(num_returns=n).remote(n, self.method.mode.collect, *self.refs)
         return [refs] if n == 1 else list(refs)
+
+
+def _last_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _reason(error: RayActorError) -> str:

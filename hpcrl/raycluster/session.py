@@ -137,7 +137,10 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
             joined = {n["Labels"].get("hpcrl.node") for n in ray.nodes()
                       if n["Alive"] and n["Labels"].get("hpcrl.job") == cluster["job_id"]}
             if expected <= joined:
-                return time.monotonic() - t0
+                waited = time.monotonic() - t0
+                # for watchers on the login node (hpcrl submit --wait): this start's cluster is up
+                (run_dir / "ray" / f"ready.{cluster['run_id']}").write_text(f"{len(joined)} nodes after {waited:.2f} s\n")
+                return waited
             reason = _failures(run_dir)
             if reason:
                 raise missing_error(f"a node failed ({reason})")

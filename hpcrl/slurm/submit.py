@@ -76,14 +76,18 @@ class JobHandle:
         return all(s in TERMINAL for s in self.state().values())
 
     def wait(self, timeout: float | None = None, poll_s: float = 1.0,
-             on_change: Callable[[dict[int, str]], None] | None = None) -> dict[int, str]:
-        """Block until every component reached a final state; returns the states."""
+             on_change: Callable[[dict[int, str]], None] | None = None,
+             on_poll: Callable[[], None] | None = None) -> dict[int, str]:
+        """Block until every component reached a final state; returns the states. on_change gets
+        the states when they change, on_poll is called at every poll."""
         deadline = None if timeout is None else time.monotonic() + timeout
         last = None
         while True:
             states = self.state()
             if states != last and on_change is not None:
                 on_change(states)
+            if on_poll is not None:
+                on_poll()
             last = states
             if all(s in TERMINAL for s in states.values()):
                 return states

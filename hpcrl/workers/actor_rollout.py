@@ -15,6 +15,7 @@ from hpcrl.workers.rollout import Generates, make_rollout_engine
 
 class ActorRollout(Generates, Checkpointed, Worker):
     """The policy; it also generates unless the job runs a separate `rollout` role."""
+    shares_device = True
 
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)

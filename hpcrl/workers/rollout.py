@@ -35,6 +35,7 @@ def make_rollout_engine(cfg: PPOConfig, model_dir: str, model, rank: int):
 class Generates:
     """generate_sequences over `self.rollout` (a TorchRollout or VLLMRollout)."""
     cfg: PPOConfig
+    shares_device = False    # a trainer in the same process: free the engine's GPU memory after generating
 
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch) -> Batch:
@@ -49,7 +50,8 @@ class Generates:
         else:
             out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params,
                                         [seed * 4099 + i for i in range(len(prompts))])
-            self.rollout.sleep()     # GPU: free the engine's memory while the trainer works
+            if self.shares_device:
+                self.rollout.sleep()     # GPU: free the engine's memory while the trainer works
         out["input_ids"] = torch.cat([prompts["prompt_ids"], out["responses"]], dim=1)
         out["attention_mask"] = torch.cat([prompts["prompt_mask"], out["response_mask"]], dim=1)
         return prompts.union(Batch(out, meta=prompts.meta))

@@ -1,0 +1,67 @@
+"""`hpcrl report` on a run with a requeue in it: the PNGs, and an index.html a browser renders."""
+import json
+import re
+import subprocess
+import sys
+
+from hpcrl.report import CURVES, restarts
+
+from conftest import ROOT, plot_pixels_seen_by_chromium
+
+
+def fake_requeued_run(run):
+    """200 steps of the demo's metric names, requeued once: stopped after step 64, resumed from its
+    checkpoint at step 60 (steps 61-64 were done again, so metrics.jsonl holds each step once)."""
+    run.mkdir()
+    records = [{"step": s, "reward/mean": min(1, s / 100), "reward/max": 1.0, "kl": 0.01 * s, "kl_coef": 0.01,
+                "actor/pg_loss": -0.01, "actor/clipfrac": 0.1, "actor/entropy": 2 - s / 100, "critic/vf_loss": 1 / s,
+                "response_length/mean": 3.0, "timing/generate": 0.05, "timing/score": 0.1, "timing/update_critic": 0.1,
+                "timing/update_actor": 0.1, "timing/step": 0.4, "throughput/tokens_per_s": 1000} for s in range(1, 201)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    events = [{"event": "start", "step": 0}, {"event": "checkpoint", "step": 60}, {"event": "checkpoint", "step": 64},
+              {"event": "stop", "step": 64}, {"event": "start", "step": 64, "resumed": True},
+              {"event": "checkpoint", "step": 200}, {"event": "finish", "step": 200}]
+    (run / "events.jsonl").write_text("".join(json.dumps({"time": i, **e}) + "\n" for i, e in enumerate(events)))
+    (run / "spec.yaml").write_text((ROOT / "jobs" / "tiny-cpu.yaml").read_text())
+
+
+def test_restarts_are_the_later_starts():
+    assert restarts([{"event": "start", "step": 0}, {"event": "checkpoint", "step": 5},
+                     {"event": "start", "step": 5}, {"event": "start", "step": 9}]) == [5, 9]
+    assert restarts([{"event": "start", "step": 0}]) == []
+
+
+def test_report_writes_pngs_and_an_html_that_chromium_renders(tmp_path):
+    run = tmp_path / "run"
+    fake_requeued_run(run)
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "report", str(run)], capture_output=True, text=True,
+                         cwd=ROOT, check=True)
+    index = run / "report" / "index.html"
+    assert out.stdout.strip() == f"report: {index}"
+    pngs = {p.name for p in (run / "report").glob("*.png")}
+    assert pngs == {"phase_time.png", *(name for name, *_ in CURVES)}
+    for name in pngs:
+        assert (run / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = index.read_text()
+    assert set(re.findall(r'<img src="([^"]+)"', page)) == pngs
+    assert "1 (resumed at steps 64)" in page and "a100" in page      # restarts and the spec's partitions
+    seen = plot_pixels_seen_by_chromium(index, tmp_path / "shot.png")
+    # the same page without its images: the check can fail
+    (run / "report" / "blank.html").write_text(re.sub(r"<img [^>]+>", "", page))
+    blank = plot_pixels_seen_by_chromium(run / "report" / "blank.html", tmp_path / "blank.png")
+    assert seen > 5000 and blank == 0, (seen, blank)
+
+
+def test_tensorboard_gets_the_same_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hpcrl.metrics import MetricsLog, read_metrics
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=True)
+    for step in (1, 2, 3):
+        log.write({"step": step, "time": 1000.0 + step, "reward/mean": step / 4, "actor/pg_loss": None})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert events.Tags()["scalars"] == ["reward/mean"]          # None (not measured) is left out
+    got = [(e.step, e.value, e.wall_time) for e in events.Scalars("reward/mean")]
+    assert got == [(r["step"], r["reward/mean"], r["time"]) for r in read_metrics(tmp_path / "metrics.jsonl")]
