@@ -94,9 +94,10 @@ def _run_progress(run_dir, say):
         run = read_status(run_dir)
         if not run:
             return
-        if run["step"] != seen["step"] and (time.monotonic() - seen["printed"] > 5 or run["step"] == run["total_steps"]):
-            seen["step"], seen["printed"] = run["step"], time.monotonic()
-            say(f"step {run['step']}/{run['total_steps']} ({run['phase'] or run['state']})")
+        where = run["phase"] if run["state"] == "starting" else f"step {run['step']}/{run['total_steps']}"
+        if where != seen["step"] and (time.monotonic() - seen["printed"] > 5 or run["state"] != "running"):
+            seen["step"], seen["printed"] = where, time.monotonic()
+            say(where if run["state"] == "starting" else f"{where} ({run['phase'] or run['state']})")
         if run["state"] != seen["state"] and run["state"] in ("finished", "stopped", "failed"):
             say(f"driver {run['state']}" + (f": {run['error']}" if run.get("error") else ""))
         seen["state"] = run["state"]
@@ -161,6 +162,7 @@ def gather_status(run_dir) -> dict:
     import json
 
     from hpcrl.checkpoint import CheckpointStore
+    from hpcrl.slurm.cluster import SlurmCommandError
     from hpcrl.slurm.submit import component_states
     from hpcrl.status import read_status
 
@@ -175,8 +177,8 @@ def gather_status(run_dir) -> dict:
     if job:
         try:
             states, slurm_error = component_states(job["job_id"]), None
-        except SubmitError as e:
-            states, slurm_error = {}, str(e)
+        except (SubmitError, SlurmCommandError) as e:    # Slurm unreachable or the job forgotten: show the rest
+            states, slurm_error = {}, str(e).splitlines()[0]
         out["job"] = {"id": job["job_id"], "name": job["name"], "via": job["via"], "slurm_error": slurm_error,
                       "restart_count": alloc["restart_count"] if alloc else 0}
         comps = {c["index"]: c for c in (alloc or {}).get("components", [])}
@@ -193,6 +195,13 @@ def gather_status(run_dir) -> dict:
                              "path": str(store.step_dir(steps[-1]))}
     else:
         out["checkpoint"] = None
+    out["ray"] = None
+    if cluster:
+        ready = sorted((run_dir / "ray").glob("ready.*"), key=lambda p: p.stat().st_mtime)
+        out["ray"] = {"address": cluster["address"], "head": cluster["head"]["name"],
+                      "nodes": [f"{n['name']}@{n['addr']}" for n in cluster["nodes"]],
+                      "ready": ready[-1].read_text().strip() if ready else None,
+                      "token": str(run_dir / "ray" / "token")}
     names = {n["addr"]: n["name"] for n in (cluster or {}).get("nodes", [])}
     for role in ((out["run"] or {}).get("roles") or {}).values():
         for r in role["ranks"]:
@@ -216,9 +225,14 @@ def format_status(st: dict) -> str:
         for c in st["components"]:
             lines.append(f"  component {c['index']} {','.join(c['roles']):22s} {c['state']:11s} "
                          f"partition {c['partition'] or '?':8s} nodes {' '.join(c['nodes']) or '-'}")
+    if st["ray"]:
+        ray_ = st["ray"]
+        lines.append(f"ray: {ray_['address']} (head {ray_['head']}), nodes {' '.join(ray_['nodes'])}; "
+                     + (f"ready: {ray_['ready']}" if ray_["ready"] else "not all joined yet"))
     if run:
         where = f", {run['phase']} for {time.time() - run['phase_since']:.0f} s" if run.get("phase") and run.get("phase_since") else ""
-        lines.append(f"run: {run['state']}, step {run['step']}/{run['total_steps']}{where} (status written {_age(run['updated'])})")
+        step = "" if run["state"] == "starting" else f", step {run['step']}/{run['total_steps']}"
+        lines.append(f"run: {run['state']}{step}{where} (status written {_age(run['updated'])})")
         if run.get("error"):
             lines.append(f"  error: {run['error']}")
         for name, role in run["roles"].items():
@@ -227,7 +241,7 @@ def format_status(st: dict) -> str:
             if role.get("last_error"):
                 lines.append(f"  {'':16s} last error: {role['last_error']}")
     else:
-        lines.append("run: the driver has not started yet (no status.json)")
+        lines.append("run: no driver status (not started yet, or the spec has no train: section)")
     ck = st["checkpoint"]
     lines.append(f"checkpoint: step {ck['step']}, committed {_age(ck['committed_at'])}, {ck['path']}" if ck
                  else "checkpoint: none committed yet")

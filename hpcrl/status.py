@@ -17,13 +17,21 @@ from pathlib import Path
 
 
 class RunStatus:
-    def __init__(self, run_dir: Path, total_steps: int, groups: dict):
+    def __init__(self, run_dir: Path, total_steps: int):
         self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.groups: dict = {}
+        self.doc = {"state": "starting", "step": 0, "total_steps": total_steps, "phase": "starting the roles",
+                    "phase_since": time.time(), "started": time.time(), "pid": os.getpid(), "last_checkpoint": None,
+                    "error": None}
+        self.write()
+
+    def attach(self, groups: dict) -> None:
+        """The role WorkerGroups, once started: their ranks and health go into every write."""
         self.groups = groups
-        self.doc = {"state": "starting", "step": 0, "total_steps": total_steps, "phase": None, "phase_since": None,
-                    "started": time.time(), "pid": os.getpid(), "last_checkpoint": None, "error": None}
         for wg in groups.values():
             wg.on_change(self.write)
+        self.write()
 
     def phase(self, step: int, phase: str) -> None:
         self.doc.update(state="running", step=step, phase=phase, phase_since=time.time())

@@ -18,6 +18,7 @@ import dataclasses
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,15 +60,24 @@ def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path) -> dict[
                           else (RuleReward, (str(model_dir), cfg.reward_fn), {}))}
     workers = {r: w for r, w in workers.items() if r in cfg.roles()}
     opts = {"log_dir": run_dir / "logs", "restart_limit": cfg.restart_limit, "standby": cfg.standby}
-    groups: dict[str, WorkerGroup] = {}
-    for together in cfg.colocate:
+
+    def colocated(together: list[str]) -> dict[str, WorkerGroup]:
         pool = ResourcePool.for_role(together[0], cfg.processes_per_node.get(together[0]), len(together))
-        groups.update(WorkerGroup.colocated(pool, {r: workers[r] for r in together}, **opts))
-    for role, (cls, args, kwargs) in workers.items():
-        if role not in groups:
-            pool = ResourcePool.for_role(role, cfg.processes_per_node.get(role))
-            groups[role] = WorkerGroup(pool, cls, args, kwargs, **opts)
-    return groups
+        return WorkerGroup.colocated(pool, {r: workers[r] for r in together}, **opts)
+
+    def alone(role: str) -> dict[str, WorkerGroup]:
+        cls, args, kwargs = workers[role]
+        return {role: WorkerGroup(ResourcePool.for_role(role, cfg.processes_per_node.get(role)), cls, args, kwargs, **opts)}
+
+    # every group at once: each start (process, torch import, model load) takes seconds, and the
+    # groups are on different nodes
+    together = {r for group in cfg.colocate for r in group}
+    starts = [lambda g=g: colocated(g) for g in cfg.colocate] + [lambda r=r: alone(r) for r in workers if r not in together]
+    groups: dict[str, WorkerGroup] = {}
+    with ThreadPoolExecutor(len(starts), thread_name_prefix="hpcrl-start") as threads:
+        for built in [threads.submit(start) for start in starts]:
+            groups.update(built.result())
+    return {r: groups[r] for r in workers}     # in role order, whatever finished first
 
 
 def compute_advantages(batch: Batch, cfg: PPOConfig, kl_ctl) -> dict:
@@ -223,10 +233,11 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
     call's metrics records, why it stopped early or None). RUN_DIR/status.json and events.jsonl
     say what it is doing (hpcrl status, hpcrl report)."""
     run_dir = Path(run_dir)
+    status = RunStatus(run_dir, cfg.total_steps)
     model_dir, prompts_path = prepare_inputs(cfg, run_dir)
-    groups = groups or build_worker_groups(cfg, model_dir, run_dir)
-    status = RunStatus(run_dir, cfg.total_steps, groups)
     try:
+        groups = groups or build_worker_groups(cfg, model_dir, run_dir)
+        status.attach(groups)
         history, reason = _train(cfg, run_dir, model_dir, prompts_path, groups, status, stop or StopRequest(),
                                  MetricsLog(run_dir / "metrics.jsonl", tensorboard))
     except BaseException as e:

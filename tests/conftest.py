@@ -67,18 +67,30 @@ def queue_ids() -> set[str]:
     return set(sh("squeue", "-h", "-o", "%i").split())
 
 
-def run_local(tmp_path, cfg: PPOConfig):
-    """The trainer on a fresh local Ray, in its own process (so each run starts from a clean Ray)."""
-    code = ("import json, sys; from pathlib import Path; import ray\n"
-            "from hpcrl.config import PPOConfig; from hpcrl.trainer import train\n"
-            "from hpcrl.raycluster.session import start_local\n"
-            "cfg = PPOConfig(**json.loads(sys.argv[2])); run = Path(sys.argv[1])\n"
-            "start_local(cfg.roles(), run_dir=run, num_cpus=2)\n"
-            "train(cfg, run); ray.shutdown()\n")
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-c", code, str(tmp_path), json.dumps(dataclasses.asdict(cfg))], check=True,
-                   timeout=900, cwd=ROOT)
-    return read_metrics(tmp_path / "metrics.jsonl")
+LOCAL_TRAINING = """
+import json, sys; from pathlib import Path; import ray
+from hpcrl.config import PPOConfig; from hpcrl.trainer import StopRequest, train
+from hpcrl.raycluster.session import start_local
+stop = StopRequest(); stop.install()
+cfg = PPOConfig(**json.loads(sys.argv[2])); run = Path(sys.argv[1])
+start_local(cfg.roles(), run_dir=run, num_cpus=2)
+_, reason = train(cfg, run, stop=stop); ray.shutdown(); sys.exit(3 if reason else 0)
+"""
+
+
+def start_local_training(run: Path, cfg: PPOConfig) -> subprocess.Popen:
+    """The trainer on a fresh local Ray in its own process (each run starts from a clean Ray).
+    SIGUSR1 stops it at a committed checkpoint with exit code 3, as in a job."""
+    run.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-c", LOCAL_TRAINING, str(run), json.dumps(dataclasses.asdict(cfg))],
+                            cwd=ROOT)
+
+
+def run_local(run: Path, cfg: PPOConfig) -> list[dict]:
+    """Train to the end locally; the metrics records."""
+    proc = start_local_training(run, cfg)
+    assert proc.wait(timeout=900) == 0
+    return read_metrics(run / "metrics.jsonl")
 
 
 def comparable(records):

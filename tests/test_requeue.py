@@ -1,6 +1,5 @@
 """Stopping at a checkpoint and resuming, compared bitwise with uninterrupted runs: locally with a
 real SIGUSR1, and on the local Slurm cluster with real preemption and a real time limit."""
-import dataclasses
 import json
 import random
 import re
@@ -16,23 +15,7 @@ import yaml
 from hpcrl.config import PPOConfig
 from hpcrl.metrics import read_metrics
 
-from conftest import ROOT, comparable, job_finished, plot_pixels_seen_by_chromium, sh, wait_until
-
-LOCAL = """
-import json, sys; from pathlib import Path; import ray
-from hpcrl.config import PPOConfig; from hpcrl.trainer import StopRequest, train
-from hpcrl.raycluster.session import start_local
-stop = StopRequest(); stop.install()
-cfg = PPOConfig(**json.loads(sys.argv[2])); run = Path(sys.argv[1])
-start_local(['actor_rollout', 'critic', 'ref', 'reward'], run_dir=run, num_cpus=2)
-_, reason = train(cfg, run, stop=stop); ray.shutdown(); sys.exit(3 if reason else 0)
-"""
-
-
-def start_local(run, cfg):
-    run.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", LOCAL, str(run), json.dumps(dataclasses.asdict(cfg))], cwd=ROOT)
-
+from conftest import ROOT, comparable, job_finished, plot_pixels_seen_by_chromium, sh, start_local_training, wait_until
 
 def final_state(run, step) -> dict:
     """Every dataset of the trained roles' files at `step`, as numpy arrays."""
@@ -57,8 +40,8 @@ def assert_same_training(a, b, steps):
 
 def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
     cfg = PPOConfig(total_steps=12, progress=False)
-    assert start_local(tmp_path / "once", cfg).wait(timeout=600) == 0
-    proc = start_local(tmp_path / "twice", cfg)
+    assert start_local_training(tmp_path / "once", cfg).wait(timeout=600) == 0
+    proc = start_local_training(tmp_path / "twice", cfg)
     stop_after = random.Random().randint(2, 9)
     wait_until(lambda: len(read_metrics(tmp_path / "twice" / "metrics.jsonl")) >= stop_after, 300, "steps")
     proc.send_signal(signal.SIGUSR1)
@@ -66,7 +49,7 @@ def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
     ckpt = tmp_path / "twice" / "ckpt"
     stopped = json.loads((ckpt / (ckpt / "LATEST").read_text().strip() / "MANIFEST.json").read_text())["step"]
     assert stop_after <= stopped < 12
-    assert start_local(tmp_path / "twice", cfg).wait(timeout=600) == 0
+    assert start_local_training(tmp_path / "twice", cfg).wait(timeout=600) == 0
     assert_same_training(tmp_path / "once", tmp_path / "twice", 12)
 
 

@@ -54,8 +54,9 @@ def test_sbatch_path_places_each_role_on_its_partition(slurm_cluster, tmp_path):
     assert "component 2 (ref,reward) on cpu" in job.logs()
     status = subprocess.run([sys.executable, "-m", "hpcrl", "status", str(tmp_path / "run")],
                             capture_output=True, text=True).stdout
-    assert re.search(rf"critic +component 1 +COMPLETED +ray nodes: {recs[1]['NodeList']}@127\.0\.0\.\d+", status), status
-    assert re.search(rf"actor_rollout .*{recs[0]['NodeList']}@[\d.]+\(head\)", status), status
+    assert re.search(rf"component 1 critic +COMPLETED +partition h100 +nodes {recs[1]['NodeList']}\n", status), status
+    assert re.search(rf"ray: 127\.0\.0\.\d+:\d+ \(head {recs[0]['NodeList']}\), nodes .*{recs[2]['NodeList']}@127", status), status
+    assert "ready: 3 nodes after" in status, status
 
 
 def where_am_i(x):
