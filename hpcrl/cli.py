@@ -197,10 +197,10 @@ def gather_status(run_dir) -> dict:
         out["checkpoint"] = None
     out["ray"] = None
     if cluster:
-        ready = sorted((run_dir / "ray").glob("ready.*"), key=lambda p: p.stat().st_mtime)
+        ready = run_dir / "ray" / f"ready.{cluster['run_id']}"     # this start's barrier, not an earlier one's
         out["ray"] = {"address": cluster["address"], "head": cluster["head"]["name"],
                       "nodes": [f"{n['name']}@{n['addr']}" for n in cluster["nodes"]],
-                      "ready": ready[-1].read_text().strip() if ready else None,
+                      "ready": ready.read_text().strip() if ready.exists() else None,
                       "token": str(run_dir / "ray" / "token")}
     names = {n["addr"]: n["name"] for n in (cluster or {}).get("nodes", [])}
     for role in ((out["run"] or {}).get("roles") or {}).values():
