@@ -108,7 +108,9 @@ def main() -> None:
     from hpcrl.models import CharTokenizer, load_causal_lm
     from hpcrl.raycluster.session import start_local
     from hpcrl.trainer import prepare_inputs
+    from hpcrl.engines.rollout_vllm import row_seed
     from hpcrl.workers import ActorRollout, Rollout
+    from hpcrl.workers.rollout import step_seed
 
     run = Path(tempfile.mkdtemp(prefix="hpcrl-bench-rollout-"))
     cfg = PPOConfig(rollout_engine="vllm", batch_size=args.prompts, max_new_tokens=args.new_tokens,
@@ -119,9 +121,9 @@ def main() -> None:
     prompts = PromptDataset(prompts_path, tok, cfg.batch_size, cfg.seed).next_batch()
     prompts.meta["step"] = 1
     rows = [ids[m.bool()].tolist() for ids, m in zip(prompts["prompt_ids"], prompts["prompt_mask"])]
-    seed = cfg.seed * 1_000_003 + 1 * 1009     # what Generates uses for step 1, rank 0
+    seed = step_seed(cfg.seed, 1, 0)     # what Generates uses for step 1, rank 0
     bare_args = {"model_dir": str(model_dir), "cache_dir": cfg.cache_dir, "seed": cfg.seed, "prompts": rows,
-                 "seeds": [seed * 4099 + i for i in range(len(rows))], "temperature": cfg.temperature,
+                 "seeds": [row_seed(seed, i) for i in range(len(rows))], "temperature": cfg.temperature,
                  "new_tokens": cfg.max_new_tokens, "eos": tok.eos_id}
     bare = BareEngine(bare_args)
 

@@ -58,8 +58,8 @@ def line_time(line: str) -> float | None:
     return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2) or 0) / 1000
 
 
-def _dated(f: LogFile, lines: list[str], since: float = 0.0):
-    t = since
+def _dated(f: LogFile, lines: list[str]):
+    t = 0.0
     for line in lines:
         t = line_time(line) or t
         yield t, f.source, line

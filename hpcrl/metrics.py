@@ -31,7 +31,6 @@ class MetricsLog:
                     self.board.add_scalar(key, value, record["step"], walltime=record.get("time"))
             self.board.flush()
 
-
     def size(self) -> int:
         return self.path.stat().st_size if self.path.exists() else 0
 

@@ -15,8 +15,6 @@ from pathlib import Path
 from hpcrl.metrics import read_metrics
 from hpcrl.status import read_events, read_status
 
-PHASES = ["generate", "score", "advantage", "update_critic", "update_actor", "sync_weights"]
-
 # (file, title, [(metric key, label)], y label)
 CURVES = [
     ("reward.png", "Reward", [("reward/mean", "mean"), ("reward/max", "max")], "score"),
@@ -62,12 +60,12 @@ def phase_chart(ax, records, checkpoint_steps, restart_steps):
     import numpy as np
 
     steps = np.array([r["step"] for r in records])
+    phases = list(dict.fromkeys(k for r in records for k in r if k.startswith("timing/") and k != "timing/step"))
+    series = {p.removeprefix("timing/"): np.array([r.get(p, 0.0) for r in records]) for p in phases}
+    covered = sum(series.values(), np.zeros(len(records)))
+    series["other"] = np.maximum(np.array([r.get("timing/step", 0.0) for r in records]) - covered, 0)
     bottom = np.zeros(len(records))
-    for phase in [*PHASES, "other"]:
-        if phase == "other":
-            ys = np.array([max(r.get("timing/step", 0) - sum(r.get(f"timing/{p}", 0) for p in PHASES), 0) for r in records])
-        else:
-            ys = np.array([r.get(f"timing/{phase}", 0.0) for r in records])
+    for phase, ys in series.items():
         if ys.any():
             ax.bar(steps, ys, bottom=bottom, width=1.0, label=phase, linewidth=0)
             bottom += ys

@@ -262,8 +262,7 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
 
     def committed(step: int, nbytes: int, seconds: float) -> None:
         status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))
-        print(f"{_now()} checkpoint step {step} committed: {nbytes / 1e6:.1f} MB written in {seconds:.2f} s "
-              f"({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)", flush=True)
+        print(f"{_now()} checkpoint step {step} committed: {_size_rate(nbytes, seconds, 'written')}", flush=True)
 
     dataset = PromptDataset(prompts_path, CharTokenizer.load(model_dir), cfg.batch_size, cfg.seed)
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
@@ -282,11 +281,10 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
         dataset.load_state_dict(state["dataset"])
         kl_ctl.value = state["kl_coef"]
         log.truncate(state["metrics_bytes"])   # steps after the checkpoint are done again
+        print(f"{_now()} resumed from checkpoint step {start} ({run_dir / 'ckpt'}): "
+              f"{_size_rate(nbytes, time.perf_counter() - t_load, 'read')}", flush=True)
         if rollout:
             sync_weights()
-        seconds = time.perf_counter() - t_load
-        print(f"{_now()} resumed from checkpoint step {start} ({run_dir / 'ckpt'}): {nbytes / 1e6:.1f} MB read in "
-              f"{seconds:.2f} s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)", flush=True)
     status.event("start", step=start, resumed=bool(resumed), total_steps=cfg.total_steps)
     history = []
     bar = _progress(cfg, start)
@@ -358,6 +356,10 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
 
 def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size_rate(nbytes: int, seconds: float, verb: str) -> str:
+    return f"{nbytes / 1e6:.1f} MB {verb} in {seconds:.2f} s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)"
 
 
 def _progress(cfg: PPOConfig, start: int = 0):

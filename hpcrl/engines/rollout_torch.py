@@ -42,11 +42,20 @@ class TorchRollout:
         out = self.model(**inputs, **({self.cache_kw: cache} if cache is not None else {}), use_cache=True)
         return out[self.cache_kw], out.logits[:, -1]
 
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """New parameters (HF names). Only needed when the module is not the trainer's own."""
+        self.model.load_state_dict(weights)
+
+    def sleep(self) -> None:
+        """Nothing to free: the module is the one the trainer holds."""
+
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-                 generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+                 seed: int) -> dict[str, torch.Tensor]:
         """prompt_ids (B, P) left-padded. Returns responses (B, R) padded after the first stop token,
-        response_mask, has_eos and the sampler's log-probs (the training engine recomputes its own)."""
+        response_mask, has_eos and the sampler's log-probs (the training engine recomputes its own).
+        One generator seeded with `seed` draws every row."""
+        generator = torch.Generator().manual_seed(seed)
         self.model.eval()
         b = prompt_ids.shape[0]
         mask = prompt_mask.long()

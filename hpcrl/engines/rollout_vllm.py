@@ -22,6 +22,11 @@ from hpcrl.algo import truncate_at_eos
 from hpcrl.engines.rollout_torch import SamplingParams
 
 
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of row `row` of a generate call seeded `seed`."""
+    return seed * 4099 + row
+
+
 class WeightLoader:
     """Mixed into vLLM's worker class (`worker_extension_cls`): the receiving end of a weight push."""
 
@@ -68,18 +73,17 @@ class VLLMRollout:
                        **({"gpu_memory_utilization": gpu_memory_utilization, "enable_sleep_mode": True} if on_gpu else {}))
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-                 seeds: list[int]) -> dict[str, torch.Tensor]:
-        """Same layout as TorchRollout.generate. Each row is its own request with its own seed, so a
-        row's sample does not depend on the batch it came in. Log-probs are those the sampler drew
-        from (after temperature, top-k and top-p)."""
+                 seed: int) -> dict[str, torch.Tensor]:
+        """Same layout as TorchRollout.generate. Row i is its own request, seeded `row_seed(seed, i)`.
+        Log-probs are those the sampler drew from (after temperature, top-k and top-p)."""
         from vllm import SamplingParams as VSamplingParams
 
         self.wake_up()
         prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(prompt_ids, prompt_mask)]
         sampling = [VSamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
                                     top_k=params.top_k or -1, max_tokens=params.max_new_tokens,
-                                    stop_token_ids=self.eos_ids, logprobs=0, seed=s, detokenize=False)
-                    for s in seeds]
+                                    stop_token_ids=self.eos_ids, logprobs=0, seed=row_seed(seed, i), detokenize=False)
+                    for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         b, width = len(prompts), params.max_new_tokens
         responses = torch.full((b, width), self.pad_id, dtype=torch.long)

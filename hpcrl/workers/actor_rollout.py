@@ -6,7 +6,7 @@ import torch
 from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
 from hpcrl.config import PPOConfig
 from hpcrl.controller import Dispatch, Worker, register
-from hpcrl.engines import TorchRollout, TorchTrainer
+from hpcrl.engines import TorchTrainer
 from hpcrl.models import load_causal_lm, response_log_probs
 from hpcrl.protocol import Batch
 from hpcrl.workers.common import Checkpointed, local_share, optim_config, ppo_updates, seed_all
@@ -42,7 +42,7 @@ class ActorRollout(Generates, Checkpointed, Worker):
     def sync_rollout_weights(self) -> None:
         """Push the trained weights into this process's vLLM engine, in place. The torch engine
         samples from the training module itself: nothing to copy."""
-        if self.rollout is not None and not isinstance(self.rollout, TorchRollout):
+        if self.rollout is not None and self.cfg.rollout_engine != "torch":
             self.rollout.load_weights(self.model.state_dict())
 
     @register(Dispatch.RANK_ZERO)

@@ -32,6 +32,11 @@ def make_rollout_engine(cfg: PPOConfig, model_dir: str, model, rank: int):
                        gpu_memory_utilization=cfg.rollout_gpu_memory, seed=cfg.seed + rank)
 
 
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's generation at one step."""
+    return seed * 1_000_003 + step * 1009 + rank
+
+
 class Generates:
     """generate_sequences over `self.rollout` (a TorchRollout or VLLMRollout)."""
     cfg: PPOConfig
@@ -41,17 +46,11 @@ class Generates:
     def generate_sequences(self, prompts: Batch) -> Batch:
         """prompt_ids/prompt_mask -> + responses, response_mask, has_eos, input_ids, attention_mask.
         Sampling is seeded by (seed, step, rank), so a resumed run draws what an uninterrupted one would."""
-        step = int(prompts.meta.get("step", 0))
-        seed = self.cfg.seed * 1_000_003 + step * 1009 + self.rank
+        seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank)
         params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k)
-        if isinstance(self.rollout, TorchRollout):
-            out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params,
-                                        torch.Generator().manual_seed(seed))
-        else:
-            out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params,
-                                        [seed * 4099 + i for i in range(len(prompts))])
-            if self.shares_device:
-                self.rollout.sleep()     # GPU: free the engine's memory while the trainer works
+        out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params, seed)
+        if self.shares_device:
+            self.rollout.sleep()     # vLLM on a GPU: free the engine's memory while the trainer works
         out["input_ids"] = torch.cat([prompts["prompt_ids"], out["responses"]], dim=1)
         out["attention_mask"] = torch.cat([prompts["prompt_mask"], out["response_mask"]], dim=1)
         return prompts.union(Batch(out, meta=prompts.meta))
@@ -62,12 +61,9 @@ class Rollout(Generates, Worker):
 
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
-        self.model = load_causal_lm(model_dir).eval().requires_grad_(False) if self.cfg.rollout_engine == "torch" else None
-        self.rollout = make_rollout_engine(self.cfg, model_dir, self.model, self.rank)
+        model = load_causal_lm(model_dir).eval().requires_grad_(False) if self.cfg.rollout_engine == "torch" else None
+        self.rollout = make_rollout_engine(self.cfg, model_dir, model, self.rank)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        if self.model is not None:
-            self.model.load_state_dict(weights)
-        else:
-            self.rollout.load_weights(weights)
+        self.rollout.load_weights(weights)
