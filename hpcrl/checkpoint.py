@@ -52,6 +52,8 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]):
         return obj
     if isinstance(obj, np.generic):
         return obj.item()
+    if isinstance(obj, torch.dtype):      # megatron's optimizer state is keyed by dtype
+        return {"__dtype__": str(obj).removeprefix("torch.")}
     raise TypeError(f"checkpoint: cannot store {type(obj).__name__} at {path}")
 
 
@@ -65,6 +67,8 @@ def _unflatten(node: Any, read):
             return read(node["__t__"])
         if "__np__" in node:
             return read(node["__np__"]).numpy()
+        if "__dtype__" in node:
+            return getattr(torch, node["__dtype__"])
         if "__tuple__" in node:
             return tuple(_unflatten(v, read) for v in node["__tuple__"])
         return {_unflatten(k, read): _unflatten(v, read) for k, v in node["__d__"]}

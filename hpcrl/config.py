@@ -68,6 +68,17 @@ class PPOConfig:
     """compile caches and temp files of the rollout engine (vLLM, torch inductor); empty: RUN_DIR/cache.
     Runs that share one reuse each other's compiled kernels"""
 
+    # --- training engine
+    train_engine: str = "torch"
+    """"torch" (DDP on CPU, FSDP2 on GPUs) or "megatron" (megatron-core, GPU only: tensor and
+    pipeline parallelism, distributed optimizer) for the actor, critic and reference"""
+    tensor_parallel: int = 1
+    """megatron: GPUs that split each layer (must divide the heads, KV heads and FFN width)"""
+    pipeline_parallel: int = 1
+    """megatron: stages the layers are split into (must divide the layer count)"""
+    precision: str = "auto"
+    """"auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32" for the torch engine; megatron is bf16"""
+
     # --- advantages and KL
     advantage: str = "gae"
     """"gae" (with the critic) or "grpo" (group-normalised scores, no critic)"""
@@ -127,6 +138,8 @@ class PPOConfig:
     # --- checkpoints
     save_every: int = 0
     """steps between checkpoints (0: only when stopped by a signal or the deadline, and at the end)"""
+    save_last: bool = True
+    """checkpoint after the last step (off for benchmarks that only time the steps)"""
     keep_last: int = 3
     """committed steps kept (older ones are deleted once a newer one is committed)"""
     keep_every: int = 0
@@ -169,6 +182,13 @@ class PPOConfig:
             p.append(f"rollout_engine: {self.rollout_engine!r} is not torch or vllm")
         if self.rollout_tensor_parallel < 1 or (self.rollout_tensor_parallel > 1 and self.rollout_engine != "vllm"):
             p.append(f"rollout_tensor_parallel: {self.rollout_tensor_parallel} needs rollout_engine: vllm and must be ≥ 1")
+        if self.train_engine not in ("torch", "megatron"):
+            p.append(f"train_engine: {self.train_engine!r} is not torch or megatron")
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1 or (getattr(self, name) > 1 and self.train_engine != "megatron"):
+                p.append(f"{name}: {getattr(self, name)} needs train_engine: megatron and must be ≥ 1")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            p.append(f"precision: {self.precision!r} is not auto, bf16 or fp32")
         if self.advantage == "grpo" and self.n_samples < 2:
             p.append("n_samples: GRPO needs ≥ 2 responses per prompt to normalise against")
         for name in ("kl_estimator", "kl_loss_estimator"):

@@ -46,7 +46,8 @@ class PromptDataset:
             prompt_ids[i, width - len(seq):] = torch.tensor(seq)
             prompt_mask[i, width - len(seq):] = 1
         extra = sorted({k for r in rows for k in r} - {"prompt", "prompt_ids"})
-        arrays = {"index": np.array(picked), "prompt": np.array([r.get("prompt", "") for r in rows], dtype=object),
+        arrays = {"index": np.array(picked), "prompt": np.array([r["prompt"] if "prompt" in r else self.tokenizer.decode(seq)
+                                                    for r, seq in zip(rows, ids)], dtype=object),
                   **{k: np.array([r.get(k) for r in rows], dtype=object) for k in extra}}
         return Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}, arrays)
 

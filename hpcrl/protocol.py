@@ -160,6 +160,10 @@ class Batch:
         return self if padding.pad == 0 else self.index(slice(0, padding.size))
 
     # --- transport --------------------------------------------------------------------------
+    def to(self, device) -> Batch:
+        """The tensors on `device` (arrays and meta stay as they are)."""
+        return Batch({k: v.to(device, non_blocking=True) for k, v in self.tensors.items()}, self.arrays, self.meta)
+
     def __reduce__(self):
         return _rebuild, ({k: _to_numpy(v) for k, v in self.tensors.items()}, self.arrays, self.meta)
 

@@ -244,6 +244,21 @@ def _check_train(spec: JobSpec) -> list[str]:
                             f"need the same nodes (same_nodes_as: {group[0]})")
     problems += [f"train.processes_per_node.{r}: not a role of this spec" for r in cfg.processes_per_node
                  if r not in spec.roles]
+    if cfg.train_engine == "megatron":
+        owner = {m: members[0] for members in spec.component_roles() for m in members}
+        need = cfg.tensor_parallel * cfg.pipeline_parallel
+        for r in ("actor_rollout", "critic", "ref"):
+            if r not in cfg.roles() or r not in owner:
+                continue
+            role = spec.roles[owner[r]]
+            gres = role.gres_spec()
+            gpus = gres.count * role.nodes if gres and gres.name == "gpu" else 0
+            if not gpus:
+                problems.append(f"roles.{owner[r]}: no GPUs, but train.train_engine: megatron runs role {r} on GPUs "
+                                "(set gpus_per_node, or use train_engine: torch)")
+            elif gpus % need:
+                problems.append(f"train.tensor_parallel × pipeline_parallel = {need} does not divide the {gpus} GPUs "
+                                f"of role {r} (roles.{owner[r]})")
     return problems
 
 

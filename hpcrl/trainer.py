@@ -341,7 +341,7 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
 
         # 4. checkpoint: periodically, at the end, and when asked to stop (then stop)
         reason = stop.check()
-        if reason or step == cfg.total_steps or (cfg.save_every and step % cfg.save_every == 0):
+        if reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0):
             status.phase(step, "checkpoint")
             checkpoints.save(step, {"step": step, "dataset": dataset.state_dict(), "kl_coef": kl_ctl.value,
                                     "metrics_bytes": log.size()}, background=not reason and step < cfg.total_steps)

@@ -43,7 +43,7 @@ def test_sampler_log_probs_equal_a_full_forward_with_left_padding(inputs):
     for i, seq in enumerate(ids):
         n = int(gen["response_mask"][i].sum())
         full = torch.tensor([seq + gen["responses"][i, :n].tolist()])
-        ref, _ = response_log_probs(actor.model, full, torch.ones_like(full), gen["responses"][i:i + 1, :n])
+        ref, _ = response_log_probs(actor.engine.module, full, torch.ones_like(full), gen["responses"][i:i + 1, :n])
         torch.testing.assert_close(gen["rollout_log_probs"][i, :n], ref[0], atol=1e-5, rtol=1e-5)
     assert gen["responses"].shape[1] == cfg.max_new_tokens
     again = actor.generate_sequences(Batch({"prompt_ids": prompt, "prompt_mask": mask}, meta={"step": 3}))
@@ -223,3 +223,12 @@ def test_ppo_hetjob_learns_on_the_local_cluster(slurm_cluster, tmp_path):
     first_step = next(i for i, line in enumerate(merged) if "step 1/200 " in line)
     for role in st["run"]["roles"]:
         assert next(i for i, line in enumerate(merged) if f"[{role} rank0] rank 0 of 1 on node" in line) < first_step
+
+
+def test_token_id_prompts_reach_the_reward_as_text(tmp_path):
+    """A dataset of prompt_ids still gives a rule reward the prompt's text (not an empty string)."""
+    path = tmp_path / "ids.jsonl"
+    ids = [TOK.encode("12="), TOK.encode("345=")]
+    path.write_text("".join(json.dumps({"prompt_ids": i}) + "\n" for i in ids))
+    batch = PromptDataset(path, TOK, 2, seed=0).next_batch()
+    assert sorted(batch["prompt"]) == ["12=", "345="]

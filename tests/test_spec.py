@@ -79,3 +79,17 @@ def test_run_dir_override_and_relative_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert parse_spec({**GOOD, "run_dir": "runs/a"}).run_dir == tmp_path / "runs" / "a"
     assert parse_spec(GOOD, run_dir="other").run_dir == tmp_path / "other"
+
+
+def test_megatron_needs_gpus_that_its_layout_divides():
+    gpu = {"partition": "h100", "gpus_per_node": 2}
+    roles = {"actor_rollout": gpu, "critic": gpu, "ref": gpu, "reward": {"same_nodes_as": "ref"}}
+    ok = parse_spec({**GOOD, "roles": roles, "train": {"train_engine": "megatron", "tensor_parallel": 2}})
+    assert ok.train["tensor_parallel"] == 2
+    with pytest.raises(SpecError, match=r"roles.ref: no GPUs, but train.train_engine: megatron runs role ref"):
+        parse_spec({**GOOD, "roles": {**roles, "ref": {"partition": "cpu"}}, "train": {"train_engine": "megatron"}})
+    with pytest.raises(SpecError, match=r"= 4 does not divide the 2 GPUs of role actor_rollout"):
+        parse_spec({**GOOD, "roles": roles, "train": {"train_engine": "megatron", "tensor_parallel": 2,
+                                                      "pipeline_parallel": 2}})
+    with pytest.raises(SpecError, match=r"train.tensor_parallel: 2 needs train_engine: megatron"):
+        parse_spec({**GOOD, "train": {"tensor_parallel": 2}})

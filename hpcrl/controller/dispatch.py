@@ -6,6 +6,7 @@ A dispatch mode is two functions: `split(world_size, args, kwargs)` gives each r
 a method of the WorkerGroup.
 
     ONE_TO_ALL   every rank gets the same arguments; the driver gets the list of results
+    ALL_RANK_ZERO  every rank runs it (a collective: gathering sharded weights); rank 0's result comes back
     ALL_TO_ALL   each argument is a list with one entry per rank; a list comes back
     RANK_ZERO    only rank 0 runs it; its result comes back
     DP_COMPUTE   every Batch argument is cut into world_size consecutive chunks, rank k gets
@@ -52,6 +53,7 @@ class DispatchMode:
     split: Callable[[int, tuple, dict], list[tuple[tuple, dict] | None]]
     collect: Callable[[list], Any]
     concatenates: bool = False   # results are Batch chunks in rank order (a future can be re-chunked)
+    rank_zero: bool = False      # the result is rank 0's alone (a future passes its ref on as it is)
 
 
 def _one_to_all(n, args, kwargs):
@@ -81,7 +83,8 @@ def _dp_compute(n, args, kwargs):
 class Dispatch:
     ONE_TO_ALL = DispatchMode("ONE_TO_ALL", _one_to_all, list)
     ALL_TO_ALL = DispatchMode("ALL_TO_ALL", _all_to_all, list)
-    RANK_ZERO = DispatchMode("RANK_ZERO", _rank_zero, lambda results: results[0])
+    RANK_ZERO = DispatchMode("RANK_ZERO", _rank_zero, lambda results: results[0], rank_zero=True)
+    ALL_RANK_ZERO = DispatchMode("ALL_RANK_ZERO", _one_to_all, lambda results: results[0], rank_zero=True)
     DP_COMPUTE = DispatchMode("DP_COMPUTE", _dp_compute, concat_results, concatenates=True)
 
 
@@ -101,7 +104,7 @@ def resolve(dispatch: DispatchMode | str) -> DispatchMode:
         return getattr(Dispatch, dispatch)
     if dispatch in _CUSTOM:
         return _CUSTOM[dispatch]
-    raise ValueError(f"unknown dispatch mode {dispatch!r}: use one of ONE_TO_ALL, ALL_TO_ALL, RANK_ZERO, "
+    raise ValueError(f"unknown dispatch mode {dispatch!r}: use one of ONE_TO_ALL, ALL_RANK_ZERO, ALL_TO_ALL, RANK_ZERO, "
                      f"DP_COMPUTE{''.join(', ' + n for n in _CUSTOM)} or register_dispatch() your own")
 
 

@@ -114,6 +114,9 @@ class WorkerHost:
         if gpu_ids is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))   # before CUDA is first touched
         torch.set_num_threads(max(1, num_threads))
+        # trainer and sampler share the GPU, with activations of changing shapes: growable segments
+        # instead of fixed blocks keep fragmentation (and allocator retries) down
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         gpu = torch.cuda.is_available()
         device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
         dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",

@@ -227,7 +227,7 @@ class GroupFuture:
         return True
 
     def whole(self):
-        if len(self.refs) == 1 and not self.method.mode.concatenates:
+        if self.method.mode.rank_zero or (len(self.refs) == 1 and not self.method.mode.concatenates):
             return self.refs[0]
         return _collect.remote(self.method.mode.collect, *self.refs)
 

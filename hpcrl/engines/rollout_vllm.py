@@ -51,6 +51,8 @@ def vllm_environment(cache_dir: Path) -> None:
 
 
 class VLLMRollout:
+    shares_module = False
+
     def __init__(self, model_dir: str | Path, pad_id: int, eos_ids: list[int], cache_dir: str | Path,
                  tensor_parallel_size: int = 1, dtype: str = "float32", max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.5, seed: int = 0):

@@ -63,8 +63,19 @@ def response_log_probs(model, input_ids, attention_mask, responses, temperature:
     from hpcrl.algo import entropy_from_logits
 
     r = responses.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids(attention_mask), use_cache=False).logits
+    # only the positions that predict the response go through the output layer (a 150k vocabulary
+    # over the whole prompt would be most of the step)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                   use_cache=False, logits_to_keep=r + 1).logits
     logits = logits[:, -r - 1:-1].float() / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     return logp, (entropy_from_logits(logits) if with_entropy else None)
+
+
+def log_probs_head(temperature: float, with_entropy: bool):
+    """The actor's and reference's forward for an engine: {"log_probs"[, "entropy"]} of a micro-batch."""
+    def forward(model, mb) -> dict:
+        logp, ent = response_log_probs(model, mb["input_ids"], mb["attention_mask"], mb["responses"], temperature,
+                                       with_entropy)
+        return {"log_probs": logp} | ({"entropy": ent} if with_entropy else {})
+    return forward

@@ -36,3 +36,8 @@ class ValueModel(torch.nn.Module):
 def response_values(model: ValueModel, input_ids, attention_mask, response_len: int) -> torch.Tensor:
     """V_t for response token t: the value of the prefix that precedes it."""
     return model(input_ids, attention_mask)[:, -response_len - 1:-1]
+
+
+def values_head(model: ValueModel, mb) -> dict:
+    """The critic's forward for an engine: {"values"} of a micro-batch's response tokens."""
+    return {"values": response_values(model, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1])}

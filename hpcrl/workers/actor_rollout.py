@@ -6,10 +6,8 @@ import torch
 from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
 from hpcrl.config import PPOConfig
 from hpcrl.controller import Dispatch, Worker, register
-from hpcrl.engines import TorchTrainer
-from hpcrl.models import load_causal_lm, response_log_probs
 from hpcrl.protocol import Batch
-from hpcrl.workers.common import Checkpointed, local_share, optim_config, ppo_updates, seed_all
+from hpcrl.workers.common import Checkpointed, local_share, make_train_engine, ppo_updates, seed_all
 from hpcrl.workers.rollout import Generates, make_rollout_engine
 
 
@@ -20,18 +18,15 @@ class ActorRollout(Generates, Checkpointed, Worker):
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
         seed_all(self.cfg.seed + self.rank)
-        self.model = load_causal_lm(model_dir)
-        self.rollout = None if self.cfg.rollout_role else make_rollout_engine(self.cfg, model_dir, self.model, self.rank)
-        self.engine = TorchTrainer(self.model, optim_config(self.cfg, self.cfg.actor_lr))
+        self.engine = make_train_engine(self.cfg, model_dir, "log_probs", self.device, self.cfg.actor_lr)
+        self.rollout = None if self.cfg.rollout_role else make_rollout_engine(self.cfg, model_dir, self.rank, self.device,
+                                                                              self.engine)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """log π_old of the sampled tokens, recomputed by the training model (not the sampler's)."""
-        self.model.eval()
-        with torch.no_grad():
-            logp, ent = response_log_probs(self.model, batch["input_ids"], batch["attention_mask"], batch["responses"],
-                                           self.cfg.temperature, with_entropy=True)
-        return Batch({"old_log_probs": logp, "entropy": ent})
+        out = self.engine.infer(batch, self.cfg.micro_batch_size)
+        return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch) -> dict:
@@ -40,20 +35,19 @@ class ActorRollout(Generates, Checkpointed, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def sync_rollout_weights(self) -> None:
-        """Push the trained weights into this process's vLLM engine, in place. The torch engine
-        samples from the training module itself: nothing to copy."""
-        if self.rollout is not None and self.cfg.rollout_engine != "torch":
-            self.rollout.load_weights(self.model.state_dict())
+        """Copy the trained weights into this process's rollout engine, in place (a sampler that is
+        the training module itself needs nothing)."""
+        if self.rollout is not None and not self.rollout.shares_module:
+            self.rollout.load_weights(self.engine.full_weights())
 
-    @register(Dispatch.RANK_ZERO)
-    def export_weights(self) -> dict[str, torch.Tensor]:
+    @register(Dispatch.ALL_RANK_ZERO)
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
         """The policy's parameters by HF name, for a separate rollout role's `load_weights`."""
-        return {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        weights = self.engine.full_weights()      # every rank: gathering sharded weights is a collective
+        return {k: v.detach().cpu() for k, v in weights.items()} if self.rank == 0 else None
 
-    def _loss(self, module, mb: Batch, total_tokens: float, total_seqs: float):
-        cfg, mask = self.cfg, mb["response_mask"]
-        logp, ent = response_log_probs(module, mb["input_ids"], mb["attention_mask"], mb["responses"],
-                                       cfg.temperature, with_entropy=True)
+    def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
+        cfg, mask, logp, ent = self.cfg, mb["response_mask"], out["log_probs"], out["entropy"]
         pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_low, cfg.clip_high,
                                 cfg.dual_clip or None, cfg.loss_agg_mode, total_tokens, total_seqs)
         loss = pg

@@ -11,6 +11,7 @@ from hpcrl.checkpoint import AsyncWriter, read_role_file, rng_state, set_rng_sta
 from hpcrl.config import PPOConfig
 from hpcrl.controller import Dispatch, register
 from hpcrl.engines import OptimConfig, TorchTrainer
+from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, values_head
 from hpcrl.protocol import Batch
 
 
@@ -29,7 +30,26 @@ def optim_config(cfg: PPOConfig, lr: float) -> OptimConfig:
                        grad_clip=cfg.grad_clip, micro_batch_size=cfg.micro_batch_size)
 
 
-def ppo_updates(engine: TorchTrainer, batch: Batch, cfg: PPOConfig, world_size: int, seed: list[int], loss_fn) -> dict:
+def make_train_engine(cfg: PPOConfig, model_dir: str, head: str, device: torch.device, lr: float | None):
+    """The engine of a role: head "log_probs" (actor; reference when lr is None) or "values" (critic),
+    on cfg.train_engine. lr None: inference only."""
+    optim = optim_config(cfg, lr) if lr is not None else None
+    if cfg.train_engine == "megatron":
+        try:
+            from hpcrl.engines.megatron import MegatronEngine
+        except ImportError as e:
+            raise RuntimeError(f"train.train_engine: megatron, but megatron-core does not import here ({e}); "
+                               "install `hpcrl[megatron]` on the GPU nodes, or use train_engine: torch") from e
+        return MegatronEngine(model_dir, head, optim, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.temperature,
+                              cfg.seed)
+    if head == "values":
+        module, forward = ValueModel(model_dir), values_head
+    else:
+        module, forward = load_causal_lm(model_dir), log_probs_head(cfg.temperature, with_entropy=lr is not None)
+    return TorchTrainer(module, optim, forward, device, cfg.precision)
+
+
+def ppo_updates(engine, batch: Batch, cfg: PPOConfig, world_size: int, seed: list[int], loss_fn) -> dict:
     """cfg.ppo_epochs passes over this rank's shard, each in a fresh seeded order, one optimizer step
     per mini-batch. Returns the stats averaged over the optimizer steps."""
     per_rank = max(1, cfg.mini_batch_size // world_size)
@@ -63,9 +83,10 @@ class Checkpointed:
             dist.gather_object(mine, rngs, dst=0)
         else:
             rngs = [mine]
+        role_state = self.checkpoint_state()     # on every rank: gathering a sharded engine's state is a collective
         if self.rank != 0:
             return None
-        state = {"role": self.checkpoint_state(), "rng": {r: s for r, s in enumerate(rngs)}}
+        state = {"role": role_state, "rng": {r: s for r, s in enumerate(rngs)}}
         attrs = {"step": step, "role": self.role, "world_size": self.world_size}
         if background:
             self._ckpt_writer().submit(Path(path), state, attrs)

@@ -1,15 +1,11 @@
 """Critic: values of the sampled sequences, and value-loss steps toward the returns."""
 from __future__ import annotations
 
-import torch
-
 from hpcrl.algo import value_loss
 from hpcrl.config import PPOConfig
 from hpcrl.controller import Dispatch, Worker, register
-from hpcrl.engines import TorchTrainer
-from hpcrl.models import ValueModel, response_values
 from hpcrl.protocol import Batch
-from hpcrl.workers.common import Checkpointed, local_share, optim_config, ppo_updates, seed_all
+from hpcrl.workers.common import Checkpointed, local_share, make_train_engine, ppo_updates, seed_all
 
 
 class Critic(Checkpointed, Worker):
@@ -17,14 +13,11 @@ class Critic(Checkpointed, Worker):
         self.cfg = PPOConfig(**cfg)
         seed_all(self.cfg.seed + 7919 + self.rank)
         init = model_dir if self.cfg.critic_init == "actor" else self.cfg.critic_init
-        self.model = ValueModel(init)
-        self.engine = TorchTrainer(self.model, optim_config(self.cfg, self.cfg.critic_lr))
+        self.engine = make_train_engine(self.cfg, init, "values", self.device, self.cfg.critic_lr)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:
-        self.model.eval()
-        with torch.no_grad():
-            values = response_values(self.model, batch["input_ids"], batch["attention_mask"], batch["responses"].shape[1])
+        values = self.engine.infer(batch, self.cfg.micro_batch_size)["values"]
         return Batch({"values": values * batch["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE)
@@ -32,10 +25,9 @@ class Critic(Checkpointed, Worker):
         step = int(batch.meta.get("step", 0))
         return ppo_updates(self.engine, batch, self.cfg, self.world_size, [self.cfg.seed, step, self.rank, 2], self._loss)
 
-    def _loss(self, module, mb: Batch, total_tokens: float, total_seqs: float):
+    def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
         mask = mb["response_mask"]
-        values = response_values(module, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1])
-        loss, stats = value_loss(values, mb["values"], mb["returns"], mask, self.cfg.vf_clip or None,
+        loss, stats = value_loss(out["values"], mb["values"], mb["returns"], mask, self.cfg.vf_clip or None,
                                  self.cfg.loss_agg_mode, total_tokens, total_seqs)
         return loss, {"vf_loss": float(loss.detach()) / local_share(mask, total_tokens), "vf_clipfrac": stats["clipfrac"]}
 

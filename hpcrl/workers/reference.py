@@ -1,13 +1,10 @@
 """Reference: the frozen initial policy, for the KL term."""
 from __future__ import annotations
 
-import torch
-
 from hpcrl.config import PPOConfig
 from hpcrl.controller import Dispatch, Worker, register
-from hpcrl.models import load_causal_lm, response_log_probs
 from hpcrl.protocol import Batch
-from hpcrl.workers.common import Checkpointed
+from hpcrl.workers.common import Checkpointed, make_train_engine
 
 
 class Reference(Checkpointed, Worker):
@@ -15,17 +12,14 @@ class Reference(Checkpointed, Worker):
 
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
-        self.model = load_causal_lm(model_dir).eval().requires_grad_(False)
+        self.engine = make_train_engine(self.cfg, model_dir, "log_probs", self.device, lr=None)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        with torch.no_grad():
-            logp, _ = response_log_probs(self.model, batch["input_ids"], batch["attention_mask"], batch["responses"],
-                                         self.cfg.temperature)
-        return Batch({"ref_log_probs": logp})
+        return Batch({"ref_log_probs": self.engine.infer(batch, self.cfg.micro_batch_size)["log_probs"]})
 
     def checkpoint_state(self) -> dict:
-        return {"model": self.model.state_dict()}
+        return self.engine.state_dict()
 
     def load_checkpoint_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        self.engine.load_state_dict(state)

@@ -17,10 +17,25 @@ from hpcrl.models import CharTokenizer, load_causal_lm
 from hpcrl.protocol import Batch
 
 
-def make_rollout_engine(cfg: PPOConfig, model_dir: str, model, rank: int):
-    """cfg.rollout_engine: "torch" samples with `model` itself; "vllm" starts an engine from model_dir."""
+def make_rollout_engine(cfg: PPOConfig, model_dir: str, rank: int, device: torch.device, trainer=None):
+    """cfg.rollout_engine "torch": on a GPU, StaticCacheRollout (CUDA graphs) with a copy of the
+    weights; on CPU, TorchRollout sampling with the trainer's module itself. "vllm": a vLLM engine
+    started from model_dir. `trainer`: the actor's engine in this process, if any."""
     tok = CharTokenizer.load(model_dir)
     if cfg.rollout_engine == "torch":
+        from transformers import AutoConfig
+
+        from hpcrl.engines.rollout_static import SUPPORTED, StaticCacheRollout
+
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        if device.type == "cuda" and config.model_type in SUPPORTED:
+            engine = StaticCacheRollout(config, tok.pad_id, [tok.eos_id], device)
+            engine.load_weights(trainer.full_weights() if trainer is not None else load_causal_lm(model_dir).state_dict())
+            return engine
+        if trainer is not None and not hasattr(trainer, "module"):
+            raise ValueError(f"rollout_engine: torch on {device} samples with the training module, which "
+                             f"{type(trainer).__name__} does not have; run it on a GPU")
+        model = trainer.module if trainer is not None else load_causal_lm(model_dir).to(device).eval().requires_grad_(False)
         return TorchRollout(model, tok.pad_id, [tok.eos_id])
     try:
         from hpcrl.engines.rollout_vllm import VLLMRollout
@@ -38,7 +53,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 class Generates:
-    """generate_sequences over `self.rollout` (a TorchRollout or VLLMRollout)."""
+    """generate_sequences over `self.rollout` (TorchRollout, StaticCacheRollout or VLLMRollout)."""
     cfg: PPOConfig
     shares_device = False    # a trainer in the same process: free the engine's GPU memory after generating
 
@@ -61,8 +76,7 @@ class Rollout(Generates, Worker):
 
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
-        model = load_causal_lm(model_dir).eval().requires_grad_(False) if self.cfg.rollout_engine == "torch" else None
-        self.rollout = make_rollout_engine(self.cfg, model_dir, model, self.rank)
+        self.rollout = make_rollout_engine(self.cfg, model_dir, self.rank, self.device)
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

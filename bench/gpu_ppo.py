@@ -1,0 +1,227 @@
+"""PPO on GPUs: hpcrl's torch and megatron engines and TRL's PPOTrainer on the same
+Qwen2-0.5B-shaped random model (no download), batch and GPU, in one call. Prints one table and
+writes bench/gpu_ppo.json.
+
+    python bench/gpu_ppo.py                      # one GPU: hpcrl torch, hpcrl megatron, TRL
+    python bench/gpu_ppo.py --layout two-gpus    # two GPUs: actor on GPU 0 and critic on GPU 1 vs all on GPU 0
+
+A step: 64 prompts × 256 prompt tokens, 256 sampled tokens each (no stop token: full length), then
+log-probs, reference log-probs, values, a rule reward, GAE, one critic and one actor update over the
+whole batch (micro-batches of 32, for TRL too; HPCRL_BENCH_MICRO changes it). Every hpcrl run is
+the real trainer on a local Ray cluster in a fresh process; the first step (compile, graph capture, allocator warm-up) is left out of the figures.
+
+tokens/s counts prompt + response tokens of the step. Update MFU: model FLOPs of the two updates
+(6 · parameters · tokens for the transformer, 12 · layers · width · sequence · tokens for attention,
+the LM head on the response positions only) over the update time and the H200's measured dense
+bf16 rate (790 TFLOP/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+             intermediate_size=4864, vocab_size=151936, max_position_embeddings=1024, tie_word_embeddings=False)
+BATCH, PROMPT, RESPONSE = 64, 256, 256
+MICRO = int(os.environ.get("HPCRL_BENCH_MICRO", 32))
+PEAK = 790e12
+
+
+def make_inputs(work: Path) -> tuple[Path, Path]:
+    """A random Qwen2-0.5B-shaped model (with a tokenizer of one character per id) and 64 prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from hpcrl.models import CharTokenizer
+
+    model_dir, prompts = work / "model", work / "prompts.jsonl"
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+        model.save_pretrained(model_dir)
+        CharTokenizer("".join(chr(0x10000 + i) for i in range(SHAPE["vocab_size"] - 3))).save(model_dir)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randint(3, SHAPE["vocab_size"], (BATCH, PROMPT), generator=g)
+    prompts.write_text("".join(json.dumps({"prompt_ids": r.tolist()}) + "\n" for r in rows))
+    return model_dir, prompts
+
+
+def hpcrl_config(engine: str, model_dir: Path, prompts: Path, steps: int, colocate: list[list[str]]):
+    from hpcrl.config import PPOConfig
+
+    return PPOConfig(model_dir=str(model_dir), dataset=str(prompts), total_steps=steps, batch_size=BATCH,
+                     max_new_tokens=RESPONSE, mini_batch_size=BATCH, micro_batch_size=MICRO, ppo_epochs=1,
+                     warmup_steps=0, actor_lr=1e-6, critic_lr=1e-6, train_engine=engine, colocate=colocate,
+                     save_last=False, progress=False)
+
+
+def run_hpcrl(engine: str, work: Path, steps: int, layout: str) -> list[dict]:
+    """The trainer in a fresh process on a fresh local Ray (per layout); its metrics records."""
+    run = work / f"hpcrl-{engine}-{layout}"
+    subprocess.run(["rm", "-rf", str(run)], check=True)
+    cmd = [sys.executable, __file__, "--one", engine, "--layout", layout, "--steps", str(steps), "--work", str(work)]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_hpcrl(engine: str, work: Path, steps: int, layout: str) -> None:
+    import ray
+
+    from hpcrl.raycluster.node import node_resources
+    from hpcrl.raycluster.session import start_local
+    from hpcrl.trainer import train
+
+    model_dir, prompts = make_inputs(work)
+    run = work / f"hpcrl-{engine}-{layout}"
+    roles = ["actor_rollout", "critic", "ref", "reward"]
+    if layout == "one-gpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        cfg = hpcrl_config(engine, model_dir, prompts, steps, [roles])
+        start_local(roles, run_dir=run)
+    else:   # two Ray nodes as two hetjob components would give: the critic alone on GPU 1
+        port = 6391
+        nodes = [("0", ["actor_rollout", "ref", "reward"], ["--head", f"--port={port}"]),
+                 ("1", ["critic"], [f"--address=127.0.0.1:{port}"])]
+        for gpu, members, how in nodes:
+            subprocess.run(["ray", "start", *how, "--node-ip-address=127.0.0.1", "--num-gpus=1", "--num-cpus=8",
+                            f"--resources={node_resources(members)}"],
+                           env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, check=True, capture_output=True)
+        cfg = hpcrl_config(engine, model_dir, prompts, steps, [nodes[0][1]])
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+    try:
+        train(cfg, run)
+    finally:
+        ray.shutdown()
+        if layout != "one-gpu":
+            subprocess.run(["ray", "stop", "--force"], capture_output=True)
+
+
+def run_trl(work: Path, steps: int) -> list[dict]:
+    """TRL's PPOTrainer (bf16 weights, its own generate) on the same model, prompts and batch."""
+    import torch
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast,
+                              TrainerCallback)
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as trl_ppo
+
+    model_dir, prompts = make_inputs(work)
+    ids = [json.loads(line)["prompt_ids"] for line in prompts.read_text().splitlines()]
+    vocab = {f"t{i}": i for i in range(SHAPE["vocab_size"])}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                  pad_token="t0", eos_token="t2")
+    load = dict(dtype=torch.bfloat16, local_files_only=True)
+    policy, ref = (AutoModelForCausalLM.from_pretrained(model_dir, **load) for _ in range(2))
+    value, reward = (AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, **load) for _ in range(2))
+    data = Dataset.from_dict({"input_ids": ids * steps})
+    args = PPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=MICRO,
+                     gradient_accumulation_steps=BATCH // MICRO, num_mini_batches=1, num_ppo_epochs=1,
+                     total_episodes=BATCH * steps, response_length=RESPONSE, local_rollout_forward_batch_size=BATCH,
+                     learning_rate=1e-6, bf16=True, report_to=[], num_sample_generations=0, save_strategy="no",
+                     logging_steps=1, seed=1, temperature=1.0, stop_token=None, missing_eos_penalty=None)
+    rollout_s: list[float] = []
+    generation = trl_ppo.batch_generation
+
+    def timed_generation(*a, **k):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = generation(*a, **k)
+        torch.cuda.synchronize()
+        rollout_s.append(time.perf_counter() - t)
+        return out
+    trl_ppo.batch_generation = timed_generation
+    stamps = []
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+
+    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                         train_dataset=data, eval_dataset=data, value_model=value, callbacks=[Stamp()])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    trainer.train()
+    ends = [start, *stamps]
+    return [{"timing/generate": rollout_s[i], "timing/step": ends[i + 1] - ends[i],
+             "throughput/tokens_per_s": BATCH * (PROMPT + RESPONSE) / (ends[i + 1] - ends[i])} for i in range(len(stamps))]
+
+
+def update_flops() -> float:
+    """Model FLOPs of one actor and one critic update over the step's batch."""
+    h, layers, ffn = SHAPE["hidden_size"], SHAPE["num_hidden_layers"], SHAPE["intermediate_size"]
+    kv = h * SHAPE["num_key_value_heads"] // SHAPE["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * ffn
+    seq, tokens = PROMPT + RESPONSE, BATCH * (PROMPT + RESPONSE)
+    body = 6 * layers * per_layer * tokens + 12 * layers * h * seq * tokens
+    head = 6 * h * SHAPE["vocab_size"] * BATCH * RESPONSE
+    return 2 * body + head        # actor (body + LM head) and critic (body + a 1-wide head)
+
+
+def summarise(name: str, records: list[dict]) -> dict:
+    timed = records[1:] or records     # the first step compiles and captures
+    med = lambda k: statistics.median(r[k] for r in timed) if all(k in r and r[k] is not None for r in timed) else None  # noqa: E731
+    row = {"run": name, "steps_timed": len(timed), "step_s": med("timing/step"), "tokens_per_s": med("throughput/tokens_per_s"),
+           "generate_s": med("timing/generate")}
+    for phase in ("score", "update_critic", "update_actor", "sync_weights"):
+        row[f"{phase}_s"] = med(f"timing/{phase}")
+    if row["generate_s"]:
+        row["rollout_tokens_per_s"] = BATCH * RESPONSE / row["generate_s"]
+    if row["update_actor_s"]:
+        row["update_mfu"] = update_flops() / (row["update_actor_s"] + row["update_critic_s"]) / PEAK
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="PPO steps per run (the first is not timed)")
+    ap.add_argument("--runs", default="torch,megatron,trl", help="comma list of torch, megatron, trl")
+    ap.add_argument("--layout", default="one-gpu", choices=["one-gpu", "two-gpus"])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-gpu-bench"))
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "gpu_ppo.json")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        one_hpcrl(args.one, args.work, args.steps, args.layout)
+        return 0
+    rows = []
+    for run in args.runs.split(","):
+        t = time.perf_counter()
+        if run == "trl":
+            rows.append(summarise("TRL PPOTrainer", run_trl(args.work, args.steps)))
+        elif args.layout == "two-gpus":
+            rows.append(summarise(f"hpcrl {run}, all roles on GPU 0", run_hpcrl(run, args.work, args.steps, "one-gpu")))
+            rows.append(summarise(f"hpcrl {run}, actor GPU 0 / critic GPU 1", run_hpcrl(run, args.work, args.steps, "two-gpus")))
+        else:
+            rows.append(summarise(f"hpcrl {run}", run_hpcrl(run, args.work, args.steps, "one-gpu")))
+        print(f"{run}: {time.perf_counter() - t:.0f} s", flush=True)
+    import torch
+
+    device = torch.cuda.get_device_name(0)
+    args.out.write_text(json.dumps({"device": device, "layout": args.layout, "batch": BATCH, "prompt": PROMPT,
+                                    "response": RESPONSE, "micro_batch": MICRO, "rows": rows}, indent=1))
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
+    print(f"\n{device}; batch {BATCH} prompts × {PROMPT} prompt + {RESPONSE} response tokens, micro-batch {MICRO}; "
+          "median of the steps after the first")
+    print(f"{'run':40} {'step s':>7} {'tok/s':>8} {'gen s':>6} {'gen tok/s':>9} {'score s':>7} {'crit s':>6} "
+          f"{'actor s':>7} {'sync s':>6} {'upd MFU':>7}")
+    for r in rows:
+        print(f"{r['run']:40} {fmt(r['step_s'], '7.2f')} {fmt(r['tokens_per_s'], '8.0f')} {fmt(r['generate_s'], '6.2f')} "
+              f"{fmt(r.get('rollout_tokens_per_s'), '9.0f')} {fmt(r['score_s'], '7.2f')} {fmt(r['update_critic_s'], '6.2f')} "
+              f"{fmt(r['update_actor_s'], '7.2f')} {fmt(r['sync_weights_s'], '6.2f')} {fmt(r.get('update_mfu'), '7.1%')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""GPU engines (run on the H200 machine; skipped without CUDA; the two-GPU tests need two).
+
+    python -m pytest tests/gpu -q
+"""
+import itertools
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+PORTS = itertools.count(29611)
+
+
+def rel(a, b) -> float:
+    """‖a − b‖ / ‖b‖"""
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A Qwen2-shaped random model big enough to be a real test of the layouts (GQA, biases, 8 layers)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from hpcrl.models import CharTokenizer
+
+    path = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=4099, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                      intermediate_size=1408, max_position_embeddings=512, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    CharTokenizer("".join(chr(0x10000 + i) for i in range(cfg.vocab_size - 3))).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """8 left-padded prompts with 32-token responses and fixed advantages."""
+    from hpcrl.protocol import Batch
+
+    g = torch.Generator().manual_seed(3)
+    prompt_mask = torch.ones(8, 48, dtype=torch.long)
+    for i, pad in enumerate([0, 5, 0, 17, 2, 0, 30, 9]):
+        prompt_mask[i, :pad] = 0
+    prompt = torch.randint(3, 4099, (8, 48), generator=g) * prompt_mask
+    responses = torch.randint(3, 4099, (8, 32), generator=g)
+    response_mask = torch.ones(8, 32, dtype=torch.long)
+    response_mask[2, 20:] = 0
+    return Batch({"input_ids": torch.cat([prompt, responses], 1), "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+                  "responses": responses, "response_mask": response_mask,
+                  "advantages": torch.randn(8, 32, generator=g)})
+
+
+def hf_log_probs(model_dir, batch):
+    from hpcrl.models import load_causal_lm, response_log_probs
+
+    model = load_causal_lm(model_dir).cuda()
+    with torch.no_grad():
+        logp, _ = response_log_probs(model, batch["input_ids"].cuda(), batch["attention_mask"].cuda(), batch["responses"].cuda())
+    return logp.cpu()
+
+
+def test_megatron_log_probs_equal_hf_and_checkpoints_resume(model_dir, batch, tmp_path):
+    from gpu_probe import run
+
+    [r] = run(1, "megatron", 1, model_dir, batch, tmp_path, next(PORTS))
+    ref = hf_log_probs(model_dir, batch)
+    m = batch["response_mask"].bool()
+    assert rel(r["logp0"][m], ref[m]) < 1e-2          # bf16 megatron vs fp32 HF
+    # HF -> megatron -> HF gives the HF weights back, as bf16
+    from hpcrl.models import load_causal_lm
+
+    hf = load_causal_lm(model_dir).state_dict()
+    assert r["weights0"].keys() == hf.keys()
+    for k in hf:
+        assert torch.equal(r["weights0"][k], hf[k].bfloat16().float()), k
+    # the step lowered the loss it took a step on, and resuming from the HDF5 file continues the same
+    assert r["stats"][0]["pg"] != 0
+    assert float(((r["logp1"] - r["logp0"]) * batch["advantages"] * m).sum()) > 0
+    assert torch.allclose(r["logp_restored"], r["logp1"], atol=1e-6)
+    assert r["stats_restored"]["pg"] == pytest.approx(r["stats_continued"]["pg"], rel=1e-4)
+    assert r["stats_restored"]["grad_norm"] == pytest.approx(r["stats_continued"]["grad_norm"], rel=1e-3)
+
+
+def test_static_cache_rollout_log_probs_equal_the_training_forward(model_dir):
+    """The CUDA-graph sampler (bf16 weights) against the torch engine's forward (bf16 autocast)."""
+    from hpcrl.engines.rollout_static import StaticCacheRollout
+    from hpcrl.engines.rollout_torch import SamplingParams
+    from hpcrl.engines.train_torch import OptimConfig, TorchTrainer
+    from hpcrl.models import load_causal_lm, log_probs_head
+    from hpcrl.protocol import Batch
+
+    trainer = TorchTrainer(load_causal_lm(model_dir), OptimConfig(), log_probs_head(1.0, True), "cuda", "bf16")
+    engine = StaticCacheRollout(trainer.module.config, 0, [2], "cuda")
+    engine.load_weights(trainer.full_weights())
+    g = torch.Generator().manual_seed(5)
+    mask = torch.ones(16, 40, dtype=torch.long)
+    mask[3, :11] = mask[7, :25] = 0
+    prompts = torch.randint(3, 4099, (16, 40), generator=g) * mask
+    out = engine.generate(prompts, mask, SamplingParams(max_new_tokens=64), seed=1)
+    assert engine.step_graphs and next(iter(engine.step_graphs.values()))[0] is not None   # a CUDA graph ran
+    batch = Batch({"input_ids": torch.cat([prompts, out["responses"]], 1),
+                   "attention_mask": torch.cat([mask, out["response_mask"]], 1), "responses": out["responses"]})
+    logp = trainer.infer(batch, 8)["log_probs"]
+    m = out["response_mask"].bool()
+    assert rel(out["rollout_log_probs"][m], logp[m]) < 2e-2
+    again = engine.generate(prompts, mask, SamplingParams(max_new_tokens=64), seed=1)
+    assert torch.equal(again["responses"], out["responses"])       # graph replays are deterministic
+
+
+@two_gpus
+def test_megatron_tp2_equals_tp1(model_dir, batch, tmp_path):
+    from gpu_probe import run
+
+    [one] = run(1, "megatron", 1, model_dir, batch, tmp_path / "tp1", next(PORTS))
+    two = run(2, "megatron", 2, model_dir, batch, tmp_path / "tp2", next(PORTS))
+    m = batch["response_mask"].bool()
+    logp0 = torch.cat([r["logp0"] for r in two])      # each rank returns its own rows
+    logp1 = torch.cat([r["logp1"] for r in two])
+    assert rel(logp0[m], one["logp0"][m]) < 1e-2
+    for k in one["weights0"]:                           # HF ⇄ megatron under TP=2 is exact
+        assert torch.equal(two[0]["weights0"][k], one["weights0"][k]), k
+    moved = (one["logp1"] - one["logp0"])[m]
+    assert float((logp1 - one["logp1"])[m].norm()) < 0.25 * float(moved.norm())   # the same step
+    assert two[0]["stats"][0]["grad_norm"] == pytest.approx(one["stats"][0]["grad_norm"], rel=2e-2)
+    assert two[0]["stats"][0]["pg"] == pytest.approx(one["stats"][0]["pg"], rel=2e-2)
+    assert torch.allclose(two[0]["logp_restored"], two[0]["logp1"], atol=1e-6)
+
+
+@two_gpus
+def test_fsdp2_step_equals_one_gpu(model_dir, batch, tmp_path):
+    from gpu_probe import run
+
+    [one] = run(1, "torch", 1, model_dir, batch, tmp_path / "one", next(PORTS))
+    two = run(2, "torch", 1, model_dir, batch, tmp_path / "fsdp", next(PORTS))
+    m = batch["response_mask"].bool()
+    logp1 = torch.cat([r["logp1"] for r in two])
+    moved = (one["logp1"] - one["logp0"])[m]
+    assert float((logp1 - one["logp1"])[m].norm()) < 0.25 * float(moved.norm())
+    assert two[0]["stats"][0]["grad_norm"] == pytest.approx(one["stats"][0]["grad_norm"], rel=2e-2)
+    assert two[0]["weights1"].keys() == one["weights1"].keys()     # gathered whole from the shards
