@@ -3,6 +3,8 @@
 Needs the local cluster (`slurm/cluster up`). For 1, 2 and 4 nodes (1 component; a100+h100;
 a100x2+h100+cpu), in one run:
   hpcrl      the rendered hetjob script: parallel node start, barrier on Ray's node table
+  hpcrl mpi  the same script with `bootstrap: mpi`: one `srun --mpi=pmix` step, rank 0 broadcasts
+             the head's address, an MPI allgather is the barrier (needs .ci/install-mpi)
   sleep      Ray's Slurm template on the same allocation shape: head, `sleep 10`, then each worker
              followed by `sleep 5`; the driver starts after the last sleep
   head-only  one bare `ray start --head` until a driver connects (outside Slurm), the reference
@@ -56,8 +58,8 @@ def run_script(script: str, run_dir: Path) -> str:
     return (run_dir / "out").read_text()
 
 
-def hpcrl_script(n: int, run_dir: Path) -> str:
-    spec = parse_spec({"name": f"bench{n}", "run_dir": str(run_dir), "roles": SHAPES[n]})
+def hpcrl_script(n: int, run_dir: Path, bootstrap: str = "poll") -> str:
+    spec = parse_spec({"name": f"bench{n}", "run_dir": str(run_dir), "roles": SHAPES[n], "bootstrap": bootstrap})
     job = spec.to_hetjob(python=sys.executable)
     # mark allocation start right where the script begins to work
     return render_hetjob(job, payload='echo "BENCH_END $EPOCHREALTIME"').replace(
@@ -91,7 +93,7 @@ def sleep_script(n: int, run_dir: Path) -> str:
                      f'"${{nodes[{k}]}}")" --num-cpus=2 --object-store-memory=100000000 '
                      f'--temp-dir=/tmp/bench-sleep-$SLURM_JOB_ID-{k} {ports} & sleep 5; fi')
     lines.append('echo "BENCH_END $EPOCHREALTIME"')
-    lines.append(f'{sys.executable} -c "import ray; ray.init(address=\\"$head_ip:$port\\", '
+    lines.append(f'timeout 60 {sys.executable} -c "import ray; ray.init(address=\\"$head_ip:$port\\", '
                  f'_node_ip_address=\\"$head_ip\\"); print(\\"BENCH_ALIVE\\", len([n for n in ray.nodes() '
                  f'if n[\\"Alive\\"]]))"')
     lines.append("kill $(jobs -p) 2>/dev/null; wait")
@@ -132,16 +134,18 @@ def main() -> int:
         for n in SHAPES:
             h = min(span(run_script(hpcrl_script(n, Path(tmp) / f"h{n}-{r}"), Path(tmp) / f"h{n}-{r}"))
                     for r in range(args.repeat))
+            m = min(span(run_script(hpcrl_script(n, Path(tmp) / f"m{n}-{r}", "mpi"), Path(tmp) / f"m{n}-{r}"))
+                    for r in range(args.repeat))
             outs = [run_script(sleep_script(n, Path(tmp) / f"s{n}-{r}"), Path(tmp) / f"s{n}-{r}")
                     for r in range(args.repeat)]
             s = min(span(o) for o in outs)
             alive = [int(m) for o in outs for m in re.findall(r"BENCH_ALIVE (\d+)", o)]
-            rows.append({"nodes": n, "hpcrl_s": round(h, 2), "sleep_template_s": round(s, 2),
+            rows.append({"nodes": n, "hpcrl_s": round(h, 2), "hpcrl_mpi_s": round(m, 2), "sleep_template_s": round(s, 2),
                          "sleep_template_nodes_alive_at_driver_start": min(alive) if alive else None,
                          "head_only_s": round(head, 2), "hpcrl_over_head": round(h / head, 2)})
-    print(f"{'nodes':>5}  {'hpcrl':>8}  {'sleep tmpl':>10}  {'alive@drv':>9}  {'1 head':>7}  {'hpcrl/head':>10}")
+    print(f"{'nodes':>5}  {'hpcrl':>8}  {'hpcrl mpi':>9}  {'sleep tmpl':>10}  {'alive@drv':>9}  {'1 head':>7}  {'hpcrl/head':>10}")
     for r in rows:
-        print(f"{r['nodes']:>5}  {r['hpcrl_s']:>7.2f}s  {r['sleep_template_s']:>9.2f}s  "
+        print(f"{r['nodes']:>5}  {r['hpcrl_s']:>7.2f}s  {r['hpcrl_mpi_s']:>8.2f}s  {r['sleep_template_s']:>9.2f}s  "
               f"{str(r['sleep_template_nodes_alive_at_driver_start']):>9}  {r['head_only_s']:>6.2f}s  "
               f"{r['hpcrl_over_head']:>10.2f}")
     Path(args.json).write_text(json.dumps({"rows": rows, "measured_at": time.time()}, indent=1))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
@@ -128,6 +128,12 @@ class JobSpec(BaseModel):
     """Requeue at most this many times."""
     ray_start_timeout: int = Field(180, ge=5)
     """Seconds for every node's Ray to join before the job fails, naming the missing nodes."""
+    bootstrap: Literal["poll", "mpi", "auto"] = "poll"
+    """How the Ray nodes find each other: "poll" (each waits for the head's port, the script polls
+    Ray until all joined), "mpi" (one `srun --mpi` step: rank 0 broadcasts the head's address, an MPI
+    barrier marks all joined; needs mpi4py), "auto" (mpi where mpi4py loads and srun has the plugin)."""
+    mpi: Literal["pmix", "pmi2"] = "pmix"
+    """The srun --mpi plugin for bootstrap: mpi/auto (what the cluster's MPI was built for)."""
     setup: list[str] = Field(default_factory=list)
     """Shell lines run before anything else in the batch script (module load, venv activation)."""
     python: str | None = None
@@ -182,7 +188,9 @@ class JobSpec(BaseModel):
                 members=members, source=f"roles.{members[0]}"))
         return HetJob(name=self.name, run_dir=self.run_dir, components=comps, requeue=self.requeue,
                       signal_lead_s=self.signal_lead, setup=list(self.setup), python=self.python or python,
+                      bootstrap=self.bootstrap, mpi=self.mpi,
                       env={"HPCRL_RAY_START_TIMEOUT": str(self.ray_start_timeout),
+                           "HPCRL_BOOTSTRAP": self.bootstrap, "HPCRL_MPI": self.mpi,
                            "HPCRL_SIGNAL_LEAD": str(self.signal_lead), "HPCRL_MAX_RESTARTS": str(self.max_restarts),
                            "HPCRL_REQUEUE": "1" if self.requeue else "0"},
                       driver=f'{self.python or python} -m hpcrl.trainer "$HPCRL_RUN_DIR"' if self.train else "",

@@ -129,6 +129,43 @@ def test_a_node_that_never_starts_fails_the_barrier_by_name(slurm_cluster, tmp_p
     wait_until(lambda: not ray_processes_of(jid), 15, "no Ray process left after the failure")
 
 
+@pytest.mark.slurm
+def test_mpi_rendezvous_brings_up_the_same_cluster(slurm_cluster, tmp_path):
+    """bootstrap: mpi — one srun --mpi=pmix step over the 4 nodes of 3 components: rank 0 starts the
+    head and broadcasts its address, an MPI allgather is the barrier."""
+    spec = four_node_spec(tmp_path, "mpi")
+    spec.bootstrap = "mpi"
+    job = HetjobExecutor(spec.to_hetjob(python=sys.executable)).submit(inspect_cluster, str(tmp_path / "mpi"), ROLES)
+    res = job.result()
+    assert len(res["nodes"]) == 4 and {n[2] for n in res["nodes"]} == {job.job_id}
+    for role, (node, partition, ip, cuda) in res["placed"].items():
+        assert partition == PARTITION[role], (role, node, partition)
+    assert res["tries"]["wrong token"][1] is False and res["token_mode"] == "0o600"
+    cluster = yaml.safe_load((tmp_path / "mpi" / "ray" / "cluster.json").read_text())
+    assert cluster["bootstrap"] == "mpi"
+    ready = (tmp_path / "mpi" / "ray" / f"ready.{cluster['run_id']}").read_text()
+    assert re.fullmatch(r"4 nodes after [\d.]+ s \(MPI rendezvous\)\n", ready), ready
+    wait_until(lambda: job_finished(job.job_id), 60, "job end")
+    wait_until(lambda: not ray_processes_of(job.job_id), 15, f"no Ray process of job {job.job_id}")
+
+
+@pytest.mark.slurm
+def test_mpi_asked_for_without_mpi4py_is_refused_before_submission(slurm_cluster, tmp_path):
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    spec = four_node_spec(tmp_path, "nompi")
+    spec.bootstrap, spec.python = "mpi", str(tmp_path / "bare" / "bin" / "python")
+    with pytest.raises(hpcrl.SpecError) as e:
+        hpcrl.submit(spec)
+    assert "bootstrap: mpi, but mpi4py does not load in" in str(e.value) and "ModuleNotFoundError" in str(e.value)
+    assert "or choose bootstrap: auto (polls where MPI is missing) or poll" in str(e.value)
+    assert not (tmp_path / "nompi").exists()        # nothing written, nothing submitted
+    spec.bootstrap = "auto"                          # auto renders both starts and decides in the job
+    script = render_hetjob(spec.to_hetjob(python=sys.executable))
+    assert 'if [ "$bootstrap" = mpi ]; then' in script
+    assert re.search(r"srun --mpi=pmix --het-group=0 --nodes=2 --ntasks-per-node=1 --overlap \S+ -m hpcrl.raycluster node "
+                     r'"\$HPCRL_RUN_DIR" : --het-group=1 --nodes=1 .* : --het-group=2 --nodes=1 ', script)
+
+
 def test_port_blocks_of_one_job_never_overlap_and_skip_busy_ports():
     blocks = [choose_block("77", k, 4).start for k in range(4)]
     assert len(set(blocks)) == 4
@@ -151,3 +188,17 @@ ray.shutdown()
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["1.0", "1.0", "42", "0o600"], out.stderr[-2000:]
+
+
+def test_node_tasks_of_one_mpi_step_see_their_own_component():
+    from hpcrl.raycluster.rendezvous import own_component, resolve, without_pmi
+
+    env = {"SLURM_JOB_PARTITION": "cpu", "SLURM_JOB_PARTITION_HET_GROUP_0": "a100",
+           "SLURM_JOB_PARTITION_HET_GROUP_1": "h100", "PMIX_RANK": "1", "PMI_FD": "5", "OMPI_MCA_x": "y",
+           "SLURM_PMIXP_ABORT_AGENT_PORT": "1", "PATH": "/bin"}
+    assert own_component(env, 1)["SLURM_JOB_PARTITION"] == "h100"
+    assert own_component(env, 0)["SLURM_JOB_PARTITION"] == "a100"
+    assert without_pmi(env) == {k: v for k, v in env.items() if k.startswith(("SLURM_JOB", "PATH"))}
+    assert resolve("poll", "pmix") == ("poll", "bootstrap: poll")
+    with pytest.raises(ValueError, match="bootstrap: 'sometimes' is not one of poll, mpi, auto"):
+        resolve("sometimes", "pmix")

@@ -1,4 +1,7 @@
-"""python -m hpcrl.raycluster prepare|node|wait|stop RUN_DIR  (steps of the batch script)."""
+"""python -m hpcrl.raycluster prepare|node|wait|stop RUN_DIR  (steps of the batch script).
+
+prepare prints the bootstrap it chose (mpi or poll) on stdout, for the script to start the node step
+accordingly; HPCRL_BOOTSTRAP (poll, mpi, auto) and HPCRL_MPI (the srun --mpi plugin) select it."""
 import os
 import sys
 import time
@@ -14,8 +17,15 @@ def main(argv: list[str]) -> int:
         return 2
     cmd, run_dir = argv[0], Path(argv[1])
     if cmd == "prepare":
-        c = prepare(run_dir, float(os.environ.get("HPCRL_RAY_START_TIMEOUT", DEFAULT_START_TIMEOUT_S)))
-        print(f"[hpcrl] ray: head {c['head']['name']} at {c['address']}, {len(c['nodes'])} nodes expected", flush=True)
+        try:
+            c = prepare(run_dir, float(os.environ.get("HPCRL_RAY_START_TIMEOUT", DEFAULT_START_TIMEOUT_S)),
+                        os.environ.get("HPCRL_BOOTSTRAP", "poll"), os.environ.get("HPCRL_MPI", "pmix"))
+        except RuntimeError as e:
+            print(f"[hpcrl] error: {e}", file=sys.stderr, flush=True)
+            return 1
+        print(f"[hpcrl] ray: head {c['head']['name']} at {c['address']}, {len(c['nodes'])} nodes expected; "
+              f"{c['bootstrap_why']}", file=sys.stderr, flush=True)
+        print(c["bootstrap"], flush=True)
     elif cmd == "node":
         return run_node(run_dir)
     elif cmd == "wait":

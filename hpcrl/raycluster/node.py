@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +83,24 @@ def node_labels(cluster: dict, me: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in labels.items())
 
 
+def start_ray(cmd: list[str], env: dict, log_path: Path) -> tuple[subprocess.Popen, threading.Event]:
+    """`ray start --block` in a session of its own, its output appended to log_path; the event is set
+    when Ray reports the node started (for a worker node: registered with the head)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    started = threading.Event()
+
+    def copy():
+        with open(log_path, "ab") as log:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if b"Ray runtime started" in line:
+                    started.set()
+    threading.Thread(target=copy, daemon=True, name="ray-start-log").start()
+    return proc, started
+
+
 def run_node(run_dir: Path) -> int:
     cluster = json.loads((run_dir / "ray" / "cluster.json").read_text())
     name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -96,10 +115,15 @@ def run_node(run_dir: Path) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     temp_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcrl-ray-{cluster['job_id']}-{name}"
 
-    gpus = [g for g in os.environ.get("SLURM_STEP_GPUS", "").split(",") if g]
-    cpus = int(os.environ.get("SLURM_CPUS_ON_NODE", "1"))
-    mem_mb = int(os.environ.get("SLURM_MEM_PER_NODE", "0") or 0) or 4096
-    env = {**os.environ, **ray_env(run_dir),
+    base = dict(os.environ)
+    if cluster.get("bootstrap") == "mpi":
+        from hpcrl.raycluster.rendezvous import own_component, without_pmi
+
+        base = without_pmi(own_component(base, me["component"]))
+    gpus = [g for g in base.get("SLURM_STEP_GPUS", "").split(",") if g]
+    cpus = int(base.get("SLURM_CPUS_ON_NODE", "1"))
+    mem_mb = int(base.get("SLURM_MEM_PER_NODE", "0") or 0) or 4096
+    env = {**base, **ray_env(run_dir),
            # the batch shell's GPUs leak into every component's steps; this step's own are right
            "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
     ray_bin = str(Path(sys.executable).with_name("ray"))
@@ -125,17 +149,36 @@ def run_node(run_dir: Path) -> int:
         print(f"[hpcrl] ray node {name}: {reason}", file=sys.stderr, flush=True)
         return 1
 
-    log = open(log_dir / f"{name}.log", "ab")
-    if not head:
+    stopping = lambda: "stopped before the head came up" if stop_asked or stop_file.exists() else None  # noqa: E731
+    comm = None
+    if cluster.get("bootstrap") == "mpi":
+        from hpcrl.raycluster import rendezvous
+
+        if not rendezvous.launched_with_pmi():
+            return fail("bootstrap is mpi but this task has no PMI: start it with srun --mpi=<plugin>")
+        comm = rendezvous.world()
+        if comm.rank == 0 and not head:
+            return fail(f"MPI rank 0 runs on {name}, not on the head node {cluster['head']['name']}")
+    if comm is not None and not head:
+        if not rendezvous.share_head_address(comm, None):    # sent once the head is up, "" if it failed
+            return fail("the head node failed to start (its log says why)")
+    elif not head:
         try:
             wait_for_port(cluster["head"]["addr"], cluster["head"]["ports"]["gcs"],
-                          time.monotonic() + cluster["start_timeout_s"],
-                          give_up=lambda: "stopped before the head came up" if stop_asked or stop_file.exists()
-                          else None)
+                          time.monotonic() + cluster["start_timeout_s"], give_up=stopping)
         except (TimeoutError, RuntimeError) as e:
             return fail(f"head GCS {cluster['head']['addr']}:{cluster['head']['ports']['gcs']}: {e}")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc, started = start_ray(cmd, env, log_dir / f"{name}.log")
+    if comm is not None:
+        t0 = time.monotonic()
+        while not started.wait(POLL_S) and proc.poll() is None and not stop_asked:
+            pass
+        if head:
+            rendezvous.share_head_address(comm, cluster["address"] if started.is_set() else "")
+        joined = rendezvous.gather_started(comm, started.is_set())    # the readiness barrier, at rank 0
+        if joined and all(joined):
+            atomic_write_text(run_dir / "ray" / f"ready.{cluster['run_id']}",
+                              f"{len(joined)} nodes after {time.monotonic() - t0:.2f} s (MPI rendezvous)\n")
     try:
         while not stop_asked and not stop_file.exists() and proc.poll() is None:
             time.sleep(POLL_S)

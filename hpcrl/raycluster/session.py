@@ -35,8 +35,13 @@ def _write_token(path: Path) -> None:
         f.write(secrets.token_hex(32))
 
 
-def prepare(run_dir: Path, start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> dict:
-    """Run in the batch shell, on the head node (first node of component 0), after allocation.json."""
+def prepare(run_dir: Path, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, bootstrap: str = "poll",
+            mpi_plugin: str = "pmix") -> dict:
+    """Run in the batch shell, on the head node (first node of component 0), after allocation.json.
+    Decides the bootstrap (`auto` becomes mpi or poll here) and records it in cluster.json."""
+    from hpcrl.raycluster.rendezvous import resolve
+
+    mode, why = resolve(bootstrap, mpi_plugin)
     alloc = json.loads((run_dir / "allocation.json").read_text())
     ray_dir = run_dir / "ray"
     ray_dir.mkdir(parents=True, exist_ok=True)
@@ -51,6 +56,7 @@ def prepare(run_dir: Path, start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> 
     head = nodes[0]
     ports = choose_block(alloc["job_id"], 0, len(nodes))
     cluster = {"job_id": alloc["job_id"], "run_id": uuid.uuid4().hex[:12], "start_timeout_s": start_timeout_s,
+               "bootstrap": mode, "bootstrap_why": why,
                "head": {"name": head["name"], "addr": head["addr"], "ports": {"start": ports.start, "gcs": ports.gcs}},
                "address": f"{head['addr']}:{ports.gcs}", "nodes": nodes}
     atomic_write_text(ray_dir / "cluster.json", json.dumps(cluster, indent=1))
@@ -122,6 +128,19 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
         return RuntimeError(f"Ray cluster of job {cluster['job_id']} not ready: {why}. "
                             f"Missing nodes: {', '.join(missing)}. Their logs: {logs}")
 
+    def until(done, timeout_why: str, poll_s: float) -> float:
+        while not done():
+            reason = _failures(run_dir)
+            if reason:
+                raise missing_error(f"a node failed ({reason})")
+            if time.monotonic() > deadline:
+                raise missing_error(timeout_why)
+            time.sleep(poll_s)
+        return time.monotonic() - t0
+
+    ready = run_dir / "ray" / f"ready.{cluster['run_id']}"
+    if cluster.get("bootstrap") == "mpi":      # the node step's rank 0 writes it after the MPI barrier
+        return until(ready.exists, f"no MPI rendezvous within {timeout_s:.0f}s", 0.01)
     try:
         wait_for_port(cluster["head"]["addr"], cluster["head"]["ports"]["gcs"], deadline,
                       give_up=lambda: _failures(run_dir))
@@ -132,23 +151,19 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
     connect(run_dir, logging_level="WARNING")
     import ray
 
+    def all_joined() -> bool:
+        nonlocal joined
+        joined = {n["Labels"].get("hpcrl.node") for n in ray.nodes()
+                  if n["Alive"] and n["Labels"].get("hpcrl.job") == cluster["job_id"]}
+        return expected <= joined
+
     try:
-        while True:
-            joined = {n["Labels"].get("hpcrl.node") for n in ray.nodes()
-                      if n["Alive"] and n["Labels"].get("hpcrl.job") == cluster["job_id"]}
-            if expected <= joined:
-                waited = time.monotonic() - t0
-                # for watchers on the login node (hpcrl submit --wait): this start's cluster is up
-                (run_dir / "ray" / f"ready.{cluster['run_id']}").write_text(f"{len(joined)} nodes after {waited:.2f} s\n")
-                return waited
-            reason = _failures(run_dir)
-            if reason:
-                raise missing_error(f"a node failed ({reason})")
-            if time.monotonic() > deadline:
-                raise missing_error(f"timed out after {timeout_s:.0f}s")
-            time.sleep(0.05)
+        waited = until(all_joined, f"timed out after {timeout_s:.0f}s", 0.05)
     finally:
         ray.shutdown()
+    # for watchers on the login node (hpcrl submit --wait): this start's cluster is up
+    ready.write_text(f"{len(joined)} nodes after {waited:.2f} s\n")
+    return waited
 
 
 def request_stop(run_dir: Path) -> None:

@@ -133,6 +133,12 @@ class ClusterInfo:
                 srcs = [c.source for c in job.components if c.partition == pname]
                 problems.append(f"{', '.join(srcs)}: together ask {n} nodes of partition {pname!r}, which has "
                                 f"{len(part.nodes)}; hetjob components cannot share a node")
+        if job.bootstrap == "mpi":
+            from hpcrl.raycluster.rendezvous import mpi_problems
+
+            problems += [f"bootstrap: mpi, but {p}; install MPI (.ci/install-mpi, or pip install 'hpcrl[mpi]' against "
+                         "the cluster's MPI), or choose bootstrap: auto (polls where MPI is missing) or poll"
+                         for p in mpi_problems(job.python, job.mpi)]
         return problems
 
     def summary(self, job: HetJob) -> list[list[str]]:

@@ -121,6 +121,8 @@ class HetJob:
     python: str = "python3"
     env: dict[str, str] = field(default_factory=dict)  # exported at the top of the script
     driver: str = ""     # shell line run in component 0 once every node's Ray has joined
+    bootstrap: str = "poll"   # how the Ray nodes find each other: poll, mpi or auto (hpcrl.raycluster.rendezvous)
+    mpi: str = "pmix"         # srun --mpi plugin of an MPI bootstrap
     source_file: str = ""
 
     def members(self) -> dict[str, int]:
