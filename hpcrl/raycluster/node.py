@@ -176,6 +176,7 @@ def run_node(run_dir: Path) -> int:
         if head:
             rendezvous.share_head_address(comm, cluster["address"] if started.is_set() else "")
         joined = rendezvous.gather_started(comm, started.is_set())    # the readiness barrier, at rank 0
+        rendezvous.finish()     # MPI's part is over: no node's exit may wait on another's in MPI_Finalize
         if joined and all(joined):
             atomic_write_text(run_dir / "ray" / f"ready.{cluster['run_id']}",
                               f"{len(joined)} nodes after {time.monotonic() - t0:.2f} s (MPI rendezvous)\n")

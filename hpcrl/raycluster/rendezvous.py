@@ -91,6 +91,15 @@ def world():
     return MPI.COMM_WORLD
 
 
+def finish() -> None:
+    """Finalize MPI once the rendezvous is done: the node tasks then live on (holding their Ray
+    nodes) as plain processes, and end at different times without a collective between them."""
+    from mpi4py import MPI
+
+    if not MPI.Is_finalized():
+        MPI.Finalize()
+
+
 def wait(request, poll_s: float = 0.01):
     """The message of a non-blocking MPI request. Polled with sleeps: a blocking MPI call spins a
     core, and Ray is starting on the same cores."""
