@@ -115,11 +115,10 @@ def run_node(run_dir: Path) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     temp_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcrl-ray-{cluster['job_id']}-{name}"
 
-    base = dict(os.environ)
-    if cluster.get("bootstrap") == "mpi":
-        from hpcrl.raycluster.rendezvous import own_component, without_pmi
-
-        base = without_pmi(own_component(base, me["component"]))
+    mpi = cluster.get("bootstrap") == "mpi"
+    if mpi:
+        from hpcrl.raycluster import rendezvous
+    base = rendezvous.without_pmi(rendezvous.own_component(dict(os.environ), me["component"])) if mpi else dict(os.environ)
     gpus = [g for g in base.get("SLURM_STEP_GPUS", "").split(",") if g]
     cpus = int(base.get("SLURM_CPUS_ON_NODE", "1"))
     mem_mb = int(base.get("SLURM_MEM_PER_NODE", "0") or 0) or 4096
@@ -151,9 +150,7 @@ def run_node(run_dir: Path) -> int:
 
     stopping = lambda: "stopped before the head came up" if stop_asked or stop_file.exists() else None  # noqa: E731
     comm = None
-    if cluster.get("bootstrap") == "mpi":
-        from hpcrl.raycluster import rendezvous
-
+    if mpi:
         if not rendezvous.launched_with_pmi():
             return fail("bootstrap is mpi but this task has no PMI: start it with srun --mpi=<plugin>")
         comm = rendezvous.world()
@@ -161,6 +158,8 @@ def run_node(run_dir: Path) -> int:
             return fail(f"MPI rank 0 runs on {name}, not on the head node {cluster['head']['name']}")
     if comm is not None and not head:
         if not rendezvous.share_head_address(comm, None):    # sent once the head is up, "" if it failed
+            rendezvous.gather_started(comm, False)           # rank 0 waits for every rank's answer
+            rendezvous.finish()
             return fail("the head node failed to start (its log says why)")
     elif not head:
         try:
@@ -171,7 +170,7 @@ def run_node(run_dir: Path) -> int:
     proc, started = start_ray(cmd, env, log_dir / f"{name}.log")
     if comm is not None:
         t0 = time.monotonic()
-        while not started.wait(POLL_S) and proc.poll() is None and not stop_asked:
+        while not started.wait(POLL_S) and proc.poll() is None and not stopping():
             pass
         if head:
             rendezvous.share_head_address(comm, cluster["address"] if started.is_set() else "")
