@@ -4,19 +4,26 @@
             rename) vs `dd conv=fdatasync` of the same byte count vs `torch.save` + fsync
   read      the same file back (warm page cache) through read_role_file (checksums verified) vs torch.load
   stall     how long the caller waits: a synchronous save vs an async one (CPU snapshot only)
+  parallel  the same role as 2 data-parallel ranks writing one file with parallel HDF5: each rank
+            stages its rows (in a role they stage at once; the slower of the two counts), then one
+            MPI step of 2 tasks writes the file (step start + collective write + sync + rename);
+            "mpio_inner" is the write alone, inside the step. Needs h5py with MPI and a Slurm job:
 
     python bench/checkpoint.py [--mb 500] [--repeat 3] [--dir /tmp] [--json bench/checkpoint.json]
+    sbatch -p cpu -N2 --wait --wrap "python bench/checkpoint.py --dir $PWD/runs"   # with the parallel rows
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,7 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hpcrl.checkpoint import AsyncWriter, read_role_file, write_role_file  # noqa: E402
+from hpcrl import checkpoint_mpio  # noqa: E402
+from hpcrl.checkpoint import AsyncWriter, read_role_file, snapshot, write_role_file  # noqa: E402
 
 
 def make_state(mb: int) -> dict:
@@ -37,6 +45,15 @@ def make_state(mb: int) -> dict:
 
 def nbytes(state) -> int:
     return sum(t.numel() * t.element_size() for t in state["model"].values())
+
+
+def mpi_hosts() -> list[str] | None:
+    """The two ranks' nodes (this job's nodes, round robin), or None where parallel HDF5 cannot run."""
+    if checkpoint_mpio.unavailable():
+        return None
+    nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
+                           text=True, check=True).stdout.split()
+    return [nodes[r % len(nodes)] for r in range(2)]
 
 
 def timed(fn) -> float:
@@ -62,6 +79,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-ckpt-", dir=args.dir))
     state = make_state(args.mb)
     size = nbytes(state)
+    parallel = mpi_hosts()
     runs = {k: [] for k in ("dd_write", "hdf5_write", "torch_write", "hdf5_read", "torch_read", "sync_stall", "async_stall")}
     for _ in range(args.repeat):
         runs["dd_write"].append(timed(lambda: subprocess.run(
@@ -73,8 +91,20 @@ def main() -> None:
         runs["torch_read"].append(timed(lambda: torch.load(work / "role.pt")))
         runs["sync_stall"].append(runs["hdf5_write"][-1])
         writer = AsyncWriter()
-        runs["async_stall"].append(timed(lambda: writer.submit(work / "async.h5", state, {"step": 7})))
+        runs["async_stall"].append(timed(lambda: writer.submit(partial(write_role_file, work / "async.h5", snapshot(state),
+                                                                        {"step": 7}))))
         writer.wait()
+        if parallel:
+            runs.update({k: runs.get(k, []) for k in ("mpio_stage", "mpio_step", "mpio_inner", "mpio_write")})
+            target = work / "ckpt" / "step_00000007" / "role.h5"
+            runs["mpio_stage"].append(max(timed(lambda r=r: checkpoint_mpio.stage(target, state, {"step": 7}, r, 2))
+                                          for r in (0, 1)))
+            t0 = time.perf_counter()
+            info = checkpoint_mpio.write_staged(target, parallel)
+            runs["mpio_step"].append(time.perf_counter() - t0)
+            runs["mpio_inner"].append(info["write_seconds"])
+            runs["mpio_write"].append(runs["mpio_stage"][-1] + runs["mpio_step"][-1])
+            shutil.rmtree(work / "ckpt")
         for f in work.iterdir():
             f.unlink()
     med = {k: statistics.median(v) for k, v in runs.items()}
@@ -86,6 +116,13 @@ def main() -> None:
     work.rmdir()
     result = {"bytes": size, "median_s": med, "gb_per_s": gbs, "hdf5_write_vs_dd": med["dd_write"] / med["hdf5_write"],
               "async_stall_vs_sync": med["async_stall"] / med["sync_stall"]}
+    if parallel:
+        result.update(mpio_hosts=parallel, mpio_write_vs_serial=med["hdf5_write"] / med["mpio_write"],
+                      mpio_inner_vs_serial=med["hdf5_write"] / med["mpio_inner"])
+        print(f"parallel HDF5, 2 ranks on {', '.join(parallel)}: a save is {result['mpio_write_vs_serial']:.2f}x as fast "
+              f"as rank 0 writing alone; the collective write itself {result['mpio_inner_vs_serial']:.2f}x")
+    else:
+        print(f"parallel HDF5 not measured: {checkpoint_mpio.unavailable()}")
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nhdf5 write = {result['hdf5_write_vs_dd']:.2f}x dd; async save stalls the caller "
           f"{result['async_stall_vs_sync']:.2f}x as long as a synchronous one\nwritten {args.json}")

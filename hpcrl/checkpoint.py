@@ -22,12 +22,12 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from hpcrl.util import atomic_write_text, fsync_dir
+from hpcrl.util import atomic_write_text, replace_durably
 
 FORMAT_VERSION = 1
 log = logging.getLogger("hpcrl.checkpoint")
@@ -84,13 +84,27 @@ def _as_array(t: torch.Tensor) -> tuple[np.ndarray, str]:
     return t.numpy(), str(t.dtype).removeprefix("torch.")
 
 
-def _crc(a: np.ndarray) -> int:
+def crc32(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1).data)
 
 
 def snapshot(state: dict) -> dict:
     """A CPU copy of every tensor in state, so training may go on while it is written."""
     return _unflatten(_flatten(state, "", tensors := {}), lambda p: tensors[p].detach().to("cpu", copy=True))
+
+
+def tensor_arrays(state: dict) -> tuple[Any, dict[str, tuple[np.ndarray, str]]]:
+    """(the JSON skeleton, {dataset name: (array, hpcrl dtype)}) of a state: what a role file holds."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _flatten(state, "", tensors)
+    return skeleton, {name: _as_array(t) for name, t in tensors.items()}
+
+
+def file_attrs(skeleton, attrs: dict) -> dict:
+    """The attributes of a role file, the same whichever path writes it."""
+    from hpcrl import __version__
+
+    return {"skeleton": json.dumps(skeleton), "format_version": FORMAT_VERSION, "hpcrl_version": __version__, **attrs}
 
 
 def write_role_file(path: Path, state: dict, attrs: dict) -> dict:
@@ -103,32 +117,23 @@ def write_role_file(path: Path, state: dict, attrs: dict) -> dict:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = _flatten(state, "", tensors)
-    arrays = {name: _as_array(t) for name, t in tensors.items()}
+    skeleton, arrays = tensor_arrays(state)
     with ThreadPoolExecutor(1, thread_name_prefix="hpcrl-crc") as pool:
-        crcs = {name: pool.submit(_crc, arr) for name, (arr, _) in arrays.items()}
+        crcs = {name: pool.submit(crc32, arr) for name, (arr, _) in arrays.items()}
         with h5py.File(tmp, "w") as f:
             for name, (arr, dtype) in arrays.items():
-                f.create_dataset(_dataset(name), data=arr).attrs["dtype"] = dtype
+                f.create_dataset(dataset_name(name), data=arr).attrs["dtype"] = dtype
             for name, crc in crcs.items():
-                f[_dataset(name)].attrs["crc32"] = crc.result()
-            f.attrs["skeleton"] = json.dumps(skeleton)
-            f.attrs["format_version"] = FORMAT_VERSION
-            from hpcrl import __version__
-
-            f.attrs["hpcrl_version"] = __version__
-            for k, v in attrs.items():
-                f.attrs[k] = v
+                f[dataset_name(name)].attrs["crc32"] = crc.result()
+            f.attrs.update(file_attrs(skeleton, attrs))
             f.flush()
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-    return {"bytes": path.stat().st_size, "datasets": len(tensors)}
+    replace_durably(tmp, path)
+    return {"bytes": path.stat().st_size, "datasets": len(arrays)}
 
 
-def _dataset(name: str) -> str:
+def dataset_name(name: str) -> str:
     return name.lstrip("/") or "root"
 
 
@@ -142,9 +147,9 @@ def read_role_file(path: Path) -> tuple[dict, dict]:
         checks = []
 
         def read(name: str) -> torch.Tensor:
-            ds = f[_dataset(name)]
+            ds = f[dataset_name(name)]
             arr = np.asarray(ds[()])  # a 0-d dataset reads as a numpy scalar
-            checks.append((name, int(ds.attrs["crc32"]), pool.submit(_crc, arr)))
+            checks.append((name, int(ds.attrs["crc32"]), pool.submit(crc32, arr)))
             t = torch.from_numpy(arr)
             return t.view(torch.bfloat16) if ds.attrs["dtype"] == "bfloat16" else t
         state = _unflatten(json.loads(f.attrs["skeleton"]), read)
@@ -259,20 +264,20 @@ class CheckpointStore:
 
 
 class AsyncWriter:
-    """Writes role files on a background thread; `wait()` before the next save and before exit."""
+    """Runs one write at a time on a background thread; `wait()` before the next save and before
+    exit. What it writes must already be a copy (`snapshot`) or staged, as training goes on."""
 
     def __init__(self):
         self._thread: threading.Thread | None = None
         self._result: dict | None = None
         self._error: BaseException | None = None
 
-    def submit(self, path: Path, state: dict, attrs: dict) -> None:
+    def submit(self, write: Callable[[], dict]) -> None:
         self.wait()
-        state = snapshot(state)
 
         def run():
             try:
-                self._result = write_role_file(path, state, attrs)
+                self._result = write()
             except BaseException as e:  # noqa: BLE001 - surfaced by wait()
                 self._error = e
         self._thread = threading.Thread(target=run, name="hpcrl-ckpt", daemon=False)

@@ -146,6 +146,10 @@ class PPOConfig:
     """also keep every step that is a multiple of this (0: none)"""
     async_save: bool = False
     """write the periodic checkpoints on a background thread while training goes on"""
+    checkpoint_io: str = "auto"
+    """how a data-parallel role of several ranks writes its file. parallel: all its ranks write one
+    file together (parallel HDF5; needs h5py built with MPI and a Slurm job to run the writers as a
+    step of); serial: rank 0 writes it; auto: parallel where possible, else serial"""
 
     # --- layout and fault tolerance
     colocate: list[list[str]] = field(default_factory=list)
@@ -189,6 +193,8 @@ class PPOConfig:
                 p.append(f"{name}: {getattr(self, name)} needs train_engine: megatron and must be ≥ 1")
         if self.precision not in ("auto", "bf16", "fp32"):
             p.append(f"precision: {self.precision!r} is not auto, bf16 or fp32")
+        if self.checkpoint_io not in ("auto", "parallel", "serial"):
+            p.append(f"checkpoint_io: {self.checkpoint_io!r} is not auto, parallel or serial")
         if self.advantage == "grpo" and self.n_samples < 2:
             p.append("n_samples: GRPO needs ≥ 2 responses per prompt to normalise against")
         for name in ("kl_estimator", "kl_loss_estimator"):

@@ -15,6 +15,7 @@ with `same_nodes_as` (and joins that role's component). Nothing here talks to Sl
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -242,6 +243,13 @@ def _check_train(spec: JobSpec) -> list[str]:
         return str(e).splitlines()
     problems = [f"roles.{r}: missing; train needs it (advantage={cfg.advantage}, kl_coef={cfg.kl_coef}) — "
                 f"give it resources or same_nodes_as: <role>" for r in cfg.roles() if r not in spec.roles]
+    if cfg.checkpoint_io == "parallel":
+        from hpcrl.checkpoint_mpio import h5py_problem
+
+        problem = h5py_problem(spec.python or sys.executable)
+        if problem:
+            problems.append(f"train.checkpoint_io: parallel, but {problem}; build h5py against an MPI HDF5 "
+                            "(.ci/install-mpi), or use checkpoint_io: auto (serial where it cannot)")
     component = {m: i for i, members in enumerate(spec.component_roles()) for m in members}
     for k, group in enumerate(cfg.colocate):
         unknown = [r for r in group if r not in cfg.roles()]

@@ -13,6 +13,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_durably(tmp: Path, path: Path) -> None:
+    """A fully written and synced tmp becomes path, atomically, and the rename survives a crash."""
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
     """Write to a temporary name in the same directory, fsync, rename: readers see the old or the new
     file, never a part of one, even after a crash."""

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import h5py
 import numpy as np
@@ -22,7 +23,7 @@ from hpcrl.tasks import copy as copy_task
 from hpcrl.trainer import prepare_inputs
 from hpcrl.workers import ActorRollout
 
-from conftest import ROOT
+from conftest import ROOT, sh
 
 TOK = CharTokenizer(copy_task.ALPHABET)
 
@@ -200,3 +201,63 @@ def test_a_two_rank_role_file_loads_into_one_rank(trained, tmp_path):
     one.load_checkpoint(str(tmp_path / "two.h5"))
     assert same(one.checkpoint_state(), state["role"])
     assert one.checkpoint_state()["optimizer"]["state"][0]["exp_avg"].abs().sum() > 0
+
+
+MPIO_READER = """
+import json, sys, zlib
+import h5py, numpy as np
+from mpi4py import MPI
+comm, sums = MPI.COMM_WORLD, {}
+with h5py.File(sys.argv[1], "r", driver="mpio", comm=comm) as f:
+    f.visititems(lambda name, d: sums.__setitem__(name, zlib.crc32(np.ascontiguousarray(d[()]).tobytes()))
+                 if isinstance(d, h5py.Dataset) and zlib.crc32(name.encode()) % comm.size == comm.rank else None)
+every = comm.gather(sums)
+if comm.rank == 0:
+    print(json.dumps({k: v for part in every for k, v in part.items()}))
+"""
+
+
+def h5_contents(path):
+    """Every dataset (bytes, dtype, shape, attributes) and the file's attributes, read by plain h5py."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, d: out.__setitem__(name, (d.dtype, d.shape, np.ascontiguousarray(d[()]).tobytes(),
+                                                            dict(d.attrs))) if isinstance(d, h5py.Dataset) else None)
+        return out, dict(f.attrs)
+
+
+@pytest.mark.slurm
+def test_parallel_hdf5_file_equals_the_serial_one(slurm_cluster, trained, tmp_path):
+    """Two ranks stage their rows, an MPI step of two tasks on two nodes writes one file through
+    h5py's mpio driver; it holds what the serial writer writes, and the serial reader reads it back
+    bitwise. The other way round: two MPI tasks read the serial file through mpio."""
+    from hpcrl import checkpoint_mpio
+
+    _, _, _, actor, _ = trained
+    state = {"role": actor.checkpoint_state(), "rng": {0: rng_state(), 1: rng_state()},
+             "extra": {"bf16": torch.randn(7, 3).to(torch.bfloat16), "scalar": torch.tensor(2.5),
+                       "empty": torch.zeros(0, 4), "one_row": torch.arange(5)[None]}}
+    attrs = {"step": 3, "role": "actor_rollout", "world_size": 2}
+    parallel, serial = tmp_path / "ckpt" / "step_00000003" / "actor_rollout.h5", tmp_path / "serial.h5"
+    for rank in (0, 1):
+        checkpoint_mpio.stage(parallel, state, attrs, rank, 2)
+    write_role_file(serial, state, attrs)
+    script = tmp_path / "job.sh"
+    script.write_text(f"""#!/bin/bash
+{sys.executable} -c 'import json, sys; from hpcrl.checkpoint_mpio import write_staged
+print(json.dumps(write_staged(sys.argv[1], ["cpun2", "cpun1"])))' {parallel}
+srun --mpi=pmix --ntasks=2 --overlap {sys.executable} -c '{MPIO_READER}' {serial}
+""")
+    sh("sbatch", "--wait", "-p", "cpu", "-N2", "-o", str(tmp_path / "out"), "-D", str(ROOT), str(script))
+    written, digests = [json.loads(line) for line in (tmp_path / "out").read_text().splitlines()[-2:]]
+    assert written["writer"] == "parallel HDF5, 2 ranks" and written["bytes"] == parallel.stat().st_size
+    assert not checkpoint_mpio.staging_dir(parallel).exists()          # the tasks removed their shares
+
+    (p_sets, p_attrs), (s_sets, s_attrs) = h5_contents(parallel), h5_contents(serial)
+    assert p_sets.keys() == s_sets.keys() and len(p_sets) == written["datasets"] > 100
+    differ = [k for k in s_sets if p_sets[k][:3] != s_sets[k][:3] or p_sets[k][3] != s_sets[k][3]]
+    assert not differ, differ[:3]
+    assert p_attrs == s_attrs and p_attrs["world_size"] == 2
+    back, _ = read_role_file(parallel)                                 # checksums verified on the way
+    assert same(back, state)
+    assert digests == {k: zlib.crc32(v[2]) for k, v in s_sets.items()}

@@ -54,9 +54,11 @@ def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
 
 
 def short_spec(tmp_path, name, **overrides):
+    """jobs/tiny-cpu.yaml for 40 steps, its critic data-parallel on both h100 nodes, writing its
+    checkpoints with parallel HDF5."""
     spec = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())
-    spec["train"]["total_steps"] = 40
-    spec["train"]["progress"] = False
+    spec["train"].update(total_steps=40, progress=False, checkpoint_io="parallel")
+    spec["roles"]["critic"]["nodes"] = 2
     spec.update(overrides)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -115,6 +117,9 @@ def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
     assert "stopped after step" in log and "resumed from checkpoint step" in log, log
     assert json.loads((twice / "allocation.json").read_text())["restart_count"] >= 1
     assert_same_training(once, twice, 40)
+    for run in (once, twice):
+        critic = json.loads((run / "ckpt" / "step_00000040" / "MANIFEST.json").read_text())["roles"]["critic"]
+        assert critic["writer"] == "parallel HDF5, 2 ranks", critic
     st = status(twice)
     assert st["job"]["restart_count"] >= 1 and st["run"]["state"] == "finished" and st["checkpoint"]["step"] == 40
     # the report of a real requeue: the restart is in the page, and the page renders its plots

@@ -93,3 +93,31 @@ def test_megatron_needs_gpus_that_its_layout_divides():
                                                       "pipeline_parallel": 2}})
     with pytest.raises(SpecError, match=r"train.tensor_parallel: 2 needs train_engine: megatron"):
         parse_spec({**GOOD, "train": {"tensor_parallel": 2}})
+
+
+def test_parallel_checkpoints_need_an_h5py_with_mpi_in_the_jobs_python(tmp_path):
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    with pytest.raises(SpecError, match=r"train.checkpoint_io: parallel, but h5py does not import in .*bare.*"
+                                        r"or use checkpoint_io: auto"):
+        parse_spec({**GOOD, "python": str(tmp_path / "bare" / "bin" / "python"), "train": {"checkpoint_io": "parallel"}})
+    with pytest.raises(SpecError, match=r"train.checkpoint_io: 'always' is not auto, parallel or serial"):
+        parse_spec({**GOOD, "train": {"checkpoint_io": "always"}})
+    assert parse_spec({**GOOD, "train": {"checkpoint_io": "parallel"}}).train["checkpoint_io"] == "parallel"
+
+
+def test_an_mpi_step_names_its_own_component_and_puts_rank_i_on_hosts_i():
+    from hpcrl.checkpoint_mpio import rows
+    from hpcrl.slurm.mpi_step import step_command
+
+    het = {"SLURM_JOB_ID": "324", "SLURM_JOB_NODELIST": "h100n[1-2]", "SLURM_JOB_ID_HET_GROUP_0": "323",
+           "SLURM_JOB_NODELIST_HET_GROUP_0": "a100n1", "SLURM_JOB_NODELIST_HET_GROUP_1": "h100n[1-2]"}
+    cmd = step_command(["h100n2", "h100n1"], ["python", "x.py"], "pmix", het)
+    assert cmd[:3] == ["srun", "--jobid=323", "--het-group=1"] and "--ntasks=2" in cmd and cmd[-2:] == ["python", "x.py"]
+    assert "--distribution=arbitrary" in cmd and "--overlap" in cmd and "--mpi=pmix" in cmd
+    assert step_command(["n1"], ["p"], "pmi2", {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"})[1:2] == ["--jobid=7"]
+    for n, world in [(0, 2), (1, 2), (5, 2), (7, 3), (2, 4)]:     # every row exactly once, in order
+        parts = [rows(n, r, world) for r in range(world)]
+        assert parts[0][0] == 0 and parts[-1][1] == n and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))

@@ -50,6 +50,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_
 class MegatronEngine:
     """head "log_probs" (actor, reference: π(response) at `temperature`, and its entropy) or "values"
     (critic). cfg None: inference only. Same methods as TorchTrainer."""
+    state_replicated = False     # each rank holds its tensor/pipeline shard
 
     def __init__(self, model_dir: str, head: str, cfg: OptimConfig | None, tensor_parallel: int = 1,
                  pipeline_parallel: int = 1, temperature: float = 1.0, seed: int = 1):

@@ -153,6 +153,11 @@ class TorchTrainer:
         out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         return out
 
+    @property
+    def state_replicated(self) -> bool:
+        """Every rank holds the whole state (DDP, one rank): any rank may write any part of it."""
+        return not self.sharded
+
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The module's parameters by HF name, whole on every rank (gathered when sharded)."""
         if not self.sharded:

@@ -1,13 +1,15 @@
 """What the roles share: optimiser settings, the PPO epoch/mini-batch loop, checkpoint methods."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from hpcrl.checkpoint import AsyncWriter, read_role_file, rng_state, set_rng_state, write_role_file
+from hpcrl import checkpoint_mpio
+from hpcrl.checkpoint import AsyncWriter, read_role_file, rng_state, set_rng_state, snapshot, write_role_file
 from hpcrl.config import PPOConfig
 from hpcrl.controller import Dispatch, register
 from hpcrl.engines import OptimConfig, TorchTrainer
@@ -70,28 +72,58 @@ class Checkpointed:
     """Checkpoint methods every role shares. A role defines `checkpoint_state()` and
     `load_checkpoint_state(state)`; `frozen = True` roles are written once per run.
 
-    Ranks of a role hold the same parameters and optimizer state (data parallel), so rank 0 writes
-    the file with every rank's RNG state; any world size can load it (a rank without its own RNG
-    entry keeps its seed)."""
+    Ranks of a data-parallel role hold the same parameters and optimizer state, so one file holds
+    the role, with every rank's RNG state; any world size can load it (a rank without its own RNG
+    entry keeps its seed). Rank 0 writes it, or, with parallel HDF5 (`checkpoint_io`), every rank
+    writes its rows of it."""
     frozen = False
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, step: int, background: bool = False):
-        rngs = [None] * self.world_size if self.rank == 0 else None
-        mine = rng_state()
-        if dist.is_initialized() and self.world_size > 1:
-            dist.gather_object(mine, rngs, dst=0)
-        else:
-            rngs = [mine]
+        parallel = self._writes_in_parallel()
+        rngs = self._gather(rng_state(), everywhere=parallel)
         role_state = self.checkpoint_state()     # on every rank: gathering a sharded engine's state is a collective
+        attrs = {"step": step, "role": self.role, "world_size": self.world_size}
+        if parallel:
+            state = {"role": role_state, "rng": dict(enumerate(rngs))}
+            checkpoint_mpio.stage(Path(path), state, attrs, self.rank, self.world_size)
+            hosts = self._gather(checkpoint_mpio.node_name(), everywhere=False)
+            dist.barrier()                       # every share is staged: training may go on
+            write = partial(checkpoint_mpio.write_staged, Path(path), hosts)
+        elif self.rank == 0:
+            state = {"role": role_state, "rng": dict(enumerate(rngs))}
+            state = snapshot(state) if background else state
+            write = partial(write_role_file, Path(path), state, attrs)
         if self.rank != 0:
             return None
-        state = {"role": role_state, "rng": {r: s for r, s in enumerate(rngs)}}
-        attrs = {"step": step, "role": self.role, "world_size": self.world_size}
         if background:
-            self._ckpt_writer().submit(Path(path), state, attrs)
+            self._ckpt_writer().submit(write)
             return {"pending": True}
-        return write_role_file(Path(path), state, attrs)
+        return write()
+
+    def _writes_in_parallel(self) -> bool:
+        """Parallel HDF5 for a data-parallel role of several ranks, as `checkpoint_io` says."""
+        mode = getattr(getattr(self, "cfg", None), "checkpoint_io", "auto")
+        if mode == "serial" or self.world_size == 1:
+            return False
+        why = checkpoint_mpio.unavailable()
+        if not getattr(getattr(self, "engine", None), "state_replicated", False):
+            why = why or "its ranks hold shards of the state, not copies"
+        if why and mode == "parallel":
+            raise RuntimeError(f"train.checkpoint_io: parallel, but role {self.role} cannot: {why}")
+        return why is None
+
+    def _gather(self, mine, everywhere: bool) -> list | None:
+        """Every rank's value, in rank order: on rank 0 (everywhere: on every rank)."""
+        if not (dist.is_initialized() and self.world_size > 1):
+            return [mine]
+        if everywhere:
+            out = [None] * self.world_size
+            dist.all_gather_object(out, mine)
+            return out
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, out, dst=0)
+        return out
 
     @register(Dispatch.RANK_ZERO)
     def finish_checkpoint(self):
