@@ -3,6 +3,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -239,19 +240,22 @@ def test_parallel_hdf5_file_equals_the_serial_one(slurm_cluster, trained, tmp_pa
                        "empty": torch.zeros(0, 4), "one_row": torch.arange(5)[None]}}
     attrs = {"step": 3, "role": "actor_rollout", "world_size": 2}
     parallel, serial = tmp_path / "ckpt" / "step_00000003" / "actor_rollout.h5", tmp_path / "serial.h5"
-    for rank in (0, 1):
-        checkpoint_mpio.stage(parallel, state, attrs, rank, 2)
-    write_role_file(serial, state, attrs)
     script = tmp_path / "job.sh"
     script.write_text(f"""#!/bin/bash
 {sys.executable} -c 'import json, sys; from hpcrl.checkpoint_mpio import write_staged
 print(json.dumps(write_staged(sys.argv[1], ["cpun2", "cpun1"])))' {parallel}
 srun --mpi=pmix --ntasks=2 --overlap {sys.executable} -c '{MPIO_READER}' {serial}
 """)
-    sh("sbatch", "--wait", "-p", "cpu", "-N2", "-o", str(tmp_path / "out"), "-D", str(ROOT), str(script))
+    try:
+        for rank in (0, 1):
+            checkpoint_mpio.stage(parallel, state, attrs, rank, 2)
+        write_role_file(serial, state, attrs)
+        sh("sbatch", "--wait", "-p", "cpu", "-N2", "-o", str(tmp_path / "out"), "-D", str(ROOT), str(script))
+        assert not checkpoint_mpio.staging_dir(parallel).exists()      # the tasks removed their shares
+    finally:
+        shutil.rmtree(checkpoint_mpio.staging_dir(parallel), ignore_errors=True)   # shared memory, not tmp_path
     written, digests = [json.loads(line) for line in (tmp_path / "out").read_text().splitlines()[-2:]]
     assert written["writer"] == "parallel HDF5, 2 ranks" and written["bytes"] == parallel.stat().st_size
-    assert not checkpoint_mpio.staging_dir(parallel).exists()          # the tasks removed their shares
 
     (p_sets, p_attrs), (s_sets, s_attrs) = h5_contents(parallel), h5_contents(serial)
     assert p_sets.keys() == s_sets.keys() and len(p_sets) == written["datasets"] > 100
