@@ -80,7 +80,8 @@ def main() -> None:
     state = make_state(args.mb)
     size = nbytes(state)
     parallel = mpi_hosts()
-    runs = {k: [] for k in ("dd_write", "hdf5_write", "torch_write", "hdf5_read", "torch_read", "sync_stall", "async_stall")}
+    runs = {k: [] for k in ("dd_write", "hdf5_write", "torch_write", "hdf5_read", "torch_read", "sync_stall", "async_stall",
+                            *(("mpio_stage", "mpio_step", "mpio_inner", "mpio_write") if parallel else ()))}
     for _ in range(args.repeat):
         runs["dd_write"].append(timed(lambda: subprocess.run(
             ["dd", "if=/dev/zero", f"of={work / 'dd.bin'}", "bs=1M", f"count={size // 2**20}", "conv=fdatasync"],
@@ -95,7 +96,6 @@ def main() -> None:
                                                                         {"step": 7}))))
         writer.wait()
         if parallel:
-            runs.update({k: runs.get(k, []) for k in ("mpio_stage", "mpio_step", "mpio_inner", "mpio_write")})
             target = work / "ckpt" / "step_00000007" / "role.h5"
             runs["mpio_stage"].append(max(timed(lambda r=r: checkpoint_mpio.stage(target, state, {"step": 7}, r, 2))
                                           for r in (0, 1)))

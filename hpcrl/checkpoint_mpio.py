@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl.slurm.mpi_step import inside_job, node_name, run_mpi_step  # noqa: F401 - node_name: for the roles
-from hpcrl.util import replace_durably
+from hpcrl.slurm.allocation import node_name  # noqa: F401 - the roles name their nodes with it
+from hpcrl.slurm.mpi_step import inside_job, run_mpi_step
+from hpcrl.util import interpreter_problem, replace_durably
 
 ALIGN = 64     # each staged part starts on a cache line
 
@@ -53,16 +53,10 @@ def unavailable() -> str | None:
 
 def h5py_problem(python: str) -> str | None:
     """Why `python` (the job's interpreter) has no h5py with MPI (None: it has)."""
-    code = "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 3)"
-    try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{python} did not run: {e}"
-    if out.returncode == 3:
+    why = interpreter_problem(python, "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 'no MPI')")
+    if why == "no MPI":
         return f"h5py in {python} is built without MPI"
-    if out.returncode:
-        return f"h5py does not import in {python}: {(out.stderr.strip().splitlines() or ['?'])[-1]}"
-    return None
+    return why and f"h5py does not import in {python}: {why}"
 
 
 def rows(n: int, rank: int, world: int) -> tuple[int, int]:

@@ -13,6 +13,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def interpreter_problem(python: str, code: str) -> str | None:
+    """None if `python -c code` exits 0; else why not: the last line it printed, or that it did not run."""
+    import subprocess
+
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{python} did not run: {e}"
+    if out.returncode:
+        lines = (out.stderr or out.stdout).strip().splitlines()
+        return lines[-1] if lines else f"exit {out.returncode}"
+    return None
+
+
 def replace_durably(tmp: Path, path: Path) -> None:
     """A fully written and synced tmp becomes path, atomically, and the rename survives a crash."""
     os.replace(tmp, path)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from hpcrl.raycluster.ports import PortBlock, choose_block
+from hpcrl.slurm.allocation import node_name
 from hpcrl.util import atomic_write_text
 
 POLL_S = 0.1
@@ -103,7 +104,7 @@ def start_ray(cmd: list[str], env: dict, log_path: Path) -> tuple[subprocess.Pop
 
 def run_node(run_dir: Path) -> int:
     cluster = json.loads((run_dir / "ray" / "cluster.json").read_text())
-    name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    name = node_name()
     me = next((n for n in cluster["nodes"] if n["name"] == name), None)
     if me is None:
         raise RuntimeError(f"node {name} is not in {run_dir}/ray/cluster.json")

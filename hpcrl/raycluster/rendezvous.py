@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from hpcrl.util import interpreter_problem
+
 MODES = ("poll", "mpi", "auto")
 PMI_VARIABLES = ("PMIX_RANK", "PMI_RANK", "PMI_FD")
 
@@ -24,15 +26,8 @@ PMI_VARIABLES = ("PMIX_RANK", "PMI_RANK", "PMI_FD")
 def mpi4py_problem(python: str = sys.executable) -> str | None:
     """Why mpi4py cannot be used by `python` (None: it can). Loads the MPI library without
     initialising MPI (outside a step there is no PMI to initialise against)."""
-    code = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; print(MPI.Get_library_version())"
-    try:
-        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{python} did not run: {e}"
-    if out.returncode:
-        lines = (out.stderr or out.stdout).strip().splitlines()
-        return f"mpi4py does not load in {python}: {lines[-1] if lines else 'exit ' + str(out.returncode)}"
-    return None
+    why = interpreter_problem(python, "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI")
+    return why and f"mpi4py does not load in {python}: {why}"
 
 
 def srun_plugin_problem(plugin: str) -> str | None:

@@ -21,6 +21,13 @@ from hpcrl.slurm.job import parse_mem_mb
 from hpcrl.util import atomic_write_text
 
 
+def node_name() -> str:
+    """This node's Slurm name, as allocation.json records it (the hostname outside a step)."""
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def _gres(tres_per_node: str) -> str:
     # TresPerNode=gres:gpu:a100:1 (22.05) or gres/gpu:a100=1 (newer)
     t = tres_per_node.removeprefix("gres:").replace("gres/", "").replace("=", ":")

@@ -16,8 +16,8 @@ import tempfile
 STEP_VARIABLES = ("SLURM_", "PMI_", "PMIX_")     # this step's; OMPI_MCA_* tuning passes on
 
 
-def inside_job(env: dict | None = None) -> bool:
-    return "SLURM_JOB_ID" in (os.environ if env is None else env)
+def inside_job() -> bool:
+    return "SLURM_JOB_ID" in os.environ
 
 
 def job_options(env: dict) -> list[str]:
@@ -35,7 +35,7 @@ def step_command(hosts: list[str], argv: list[str], plugin: str, env: dict) -> l
             "--distribution=arbitrary", "--kill-on-bad-exit=1", "--quiet", *argv]
 
 
-def run_mpi_step(hosts: list[str], argv: list[str], plugin: str | None = None, timeout: float | None = None) -> str:
+def run_mpi_step(hosts: list[str], argv: list[str], plugin: str | None = None) -> str:
     """Run argv as len(hosts) MPI tasks, rank i on node hosts[i]; its output, or RuntimeError with it."""
     env = dict(os.environ)
     plugin = plugin or env.get("HPCRL_MPI", "pmix")
@@ -44,16 +44,8 @@ def run_mpi_step(hosts: list[str], argv: list[str], plugin: str | None = None, t
     with tempfile.NamedTemporaryFile("w", prefix="hpcrl-hosts-", suffix=".txt") as hostfile:
         hostfile.write("\n".join(hosts) + "\n")
         hostfile.flush()
-        out = subprocess.run(cmd, env={**clean, "SLURM_HOSTFILE": hostfile.name}, capture_output=True, text=True,
-                             timeout=timeout)
+        out = subprocess.run(cmd, env={**clean, "SLURM_HOSTFILE": hostfile.name}, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"MPI step failed (exit {out.returncode}): {' '.join(cmd)}\n{out.stdout}{out.stderr}".rstrip())
     return out.stdout
-
-
-def node_name() -> str:
-    """The Slurm name of this node (the hostname outside a step)."""
-    import socket
-
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 

@@ -81,21 +81,20 @@ class Checkpointed:
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, step: int, background: bool = False):
         parallel = self._writes_in_parallel()
-        rngs = self._gather(rng_state(), everywhere=parallel)
+        ranks = self._gather((rng_state(), checkpoint_mpio.node_name()), everywhere=parallel)
         role_state = self.checkpoint_state()     # on every rank: gathering a sharded engine's state is a collective
+        if not (parallel or self.rank == 0):
+            return None
+        state = {"role": role_state, "rng": {r: rng for r, (rng, _) in enumerate(ranks)}}
         attrs = {"step": step, "role": self.role, "world_size": self.world_size}
         if parallel:
-            state = {"role": role_state, "rng": dict(enumerate(rngs))}
             checkpoint_mpio.stage(Path(path), state, attrs, self.rank, self.world_size)
-            hosts = self._gather(checkpoint_mpio.node_name(), everywhere=False)
             dist.barrier()                       # every share is staged: training may go on
-            write = partial(checkpoint_mpio.write_staged, Path(path), hosts)
-        elif self.rank == 0:
-            state = {"role": role_state, "rng": dict(enumerate(rngs))}
-            state = snapshot(state) if background else state
-            write = partial(write_role_file, Path(path), state, attrs)
-        if self.rank != 0:
-            return None
+            if self.rank != 0:
+                return None
+            write = partial(checkpoint_mpio.write_staged, Path(path), [node for _, node in ranks])
+        else:
+            write = partial(write_role_file, Path(path), snapshot(state) if background else state, attrs)
         if background:
             self._ckpt_writer().submit(write)
             return {"pending": True}
