@@ -31,8 +31,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hpcrl import checkpoint_mpio  # noqa: E402
-from hpcrl.checkpoint import AsyncWriter, read_role_file, snapshot, write_role_file  # noqa: E402
+from hpcrl.checkpoint import parallel as parallel_hdf5  # noqa: E402
+from hpcrl.checkpoint.format import read_role_file, snapshot, write_role_file  # noqa: E402
+from hpcrl.checkpoint.role import AsyncWriter  # noqa: E402
 
 
 def make_state(mb: int) -> dict:
@@ -49,7 +50,7 @@ def nbytes(state) -> int:
 
 def mpi_hosts() -> list[str] | None:
     """The two ranks' nodes (this job's nodes, round robin), or None where parallel HDF5 cannot run."""
-    if checkpoint_mpio.unavailable():
+    if parallel_hdf5.unavailable():
         return None
     nodes = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]], capture_output=True,
                            text=True, check=True).stdout.split()
@@ -97,10 +98,10 @@ def main() -> None:
         writer.wait()
         if parallel:
             target = work / "ckpt" / "step_00000007" / "role.h5"
-            runs["mpio_stage"].append(max(timed(lambda r=r: checkpoint_mpio.stage(target, state, {"step": 7}, r, 2))
+            runs["mpio_stage"].append(max(timed(lambda r=r: parallel_hdf5.stage(target, state, {"step": 7}, r, 2))
                                           for r in (0, 1)))
             t0 = time.perf_counter()
-            info = checkpoint_mpio.write_staged(target, parallel)
+            info = parallel_hdf5.write_staged(target, parallel)
             runs["mpio_step"].append(time.perf_counter() - t0)
             runs["mpio_inner"].append(info["write_seconds"])
             runs["mpio_write"].append(runs["mpio_stage"][-1] + runs["mpio_step"][-1])
@@ -122,7 +123,7 @@ def main() -> None:
         print(f"parallel HDF5, 2 ranks on {', '.join(parallel)}: a save is {result['mpio_write_vs_serial']:.2f}x as fast "
               f"as rank 0 writing alone; the collective write itself {result['mpio_inner_vs_serial']:.2f}x")
     else:
-        print(f"parallel HDF5 not measured: {checkpoint_mpio.unavailable()}")
+        print(f"parallel HDF5 not measured: {parallel_hdf5.unavailable()}")
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"\nhdf5 write = {result['hdf5_write_vs_dd']:.2f}x dd; async save stalls the caller "
           f"{result['async_stall_vs_sync']:.2f}x as long as a synchronous one\nwritten {args.json}")

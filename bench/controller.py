@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hpcrl.controller import Dispatch, ResourcePool, Worker, WorkerGroup, register  # noqa: E402
-from hpcrl.protocol import Batch  # noqa: E402
+from hpcrl.controller.batch import Batch  # noqa: E402
 
 B, T = 64, 512
 

@@ -56,7 +56,7 @@ def make_inputs(work: Path) -> tuple[Path, Path]:
 
 
 def hpcrl_config(engine: str, model_dir: Path, prompts: Path, steps: int, colocate: list[list[str]]):
-    from hpcrl.config import PPOConfig
+    from hpcrl.ppo.config import PPOConfig
 
     return PPOConfig(model_dir=str(model_dir), dataset=str(prompts), total_steps=steps, batch_size=BATCH,
                      max_new_tokens=RESPONSE, mini_batch_size=BATCH, micro_batch_size=MICRO, ppo_epochs=1,
@@ -76,9 +76,9 @@ def run_hpcrl(engine: str, work: Path, steps: int, layout: str) -> list[dict]:
 def one_hpcrl(engine: str, work: Path, steps: int, layout: str) -> None:
     import ray
 
+    from hpcrl.ppo.driver import train
     from hpcrl.raycluster.node import node_resources
     from hpcrl.raycluster.session import start_local
-    from hpcrl.trainer import train
 
     model_dir, prompts = make_inputs(work)
     run = work / f"hpcrl-{engine}-{layout}"
@@ -110,8 +110,12 @@ def run_trl(work: Path, steps: int) -> list[dict]:
     import torch
     from datasets import Dataset
     from tokenizers import Tokenizer, models
-    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast,
-                              TrainerCallback)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        PreTrainedTokenizerFast,
+        TrainerCallback,
+    )
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 

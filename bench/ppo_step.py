@@ -22,23 +22,19 @@ from pathlib import Path
 
 import yaml
 
+from hpcrl.launch.driver import write_local_spec
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"split": [], "colocated": [["actor_rollout", "ref"], ["critic", "reward"]]}
 PHASES = ["generate", "score", "advantage", "update_critic", "update_actor", "sync_weights", "step"]
-RUN = """
-import json, sys; from pathlib import Path; import ray
-from hpcrl.config import PPOConfig; from hpcrl.trainer import train; from hpcrl.raycluster.session import start_local
-cfg = PPOConfig.from_dict(json.loads(sys.argv[2])); run = Path(sys.argv[1])
-start_local(cfg.roles(), run_dir=run)
-train(cfg, run); ray.shutdown()
-"""
 
 
 def run_layout(colocate: list, steps: int) -> list[dict]:
     train = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())["train"]
     train.update(total_steps=steps, colocate=colocate, progress=False)
     run = Path(tempfile.mkdtemp(prefix="hpcrl-bench-ppo-"))
-    subprocess.run([sys.executable, "-c", RUN, str(run), json.dumps(train)], check=True, cwd=ROOT)
+    write_local_spec(run, train)
+    subprocess.run([sys.executable, "-m", "hpcrl.launch", str(run), "--local"], check=True, cwd=ROOT)
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 

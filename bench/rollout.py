@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 BARE = """
 import json, sys, time
 from pathlib import Path
-from hpcrl.engines.rollout_vllm import vllm_environment
+from hpcrl.engines.rollout.vllm_rollout import vllm_environment
 args = json.loads(sys.argv[1])
 vllm_environment(Path(args["cache_dir"]))
 import os; os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"; os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -102,15 +102,15 @@ def main() -> None:
 
     import ray
 
-    from hpcrl.config import PPOConfig
     from hpcrl.controller import ResourcePool, WorkerGroup
-    from hpcrl.data import PromptDataset
+    from hpcrl.engines.rollout.vllm_rollout import row_seed
     from hpcrl.models import CharTokenizer, load_causal_lm
+    from hpcrl.ppo.config import PPOConfig
+    from hpcrl.ppo.data import PromptDataset
+    from hpcrl.ppo.driver import prepare_inputs
+    from hpcrl.ppo.roles import ActorRollout, Rollout
+    from hpcrl.ppo.roles.rollout import step_seed
     from hpcrl.raycluster.session import start_local
-    from hpcrl.trainer import prepare_inputs
-    from hpcrl.engines.rollout_vllm import row_seed
-    from hpcrl.workers import ActorRollout, Rollout
-    from hpcrl.workers.rollout import step_seed
 
     run = Path(tempfile.mkdtemp(prefix="hpcrl-bench-rollout-"))
     cfg = PPOConfig(rollout_engine="vllm", batch_size=args.prompts, max_new_tokens=args.new_tokens,

@@ -2,62 +2,47 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 
-from hpcrl import __version__
+from hpcrl._version import __version__
+from hpcrl.job import SpecError, load_spec
+from hpcrl.run_dir import RunDir
 from hpcrl.slurm.submit import SubmitError
-from hpcrl.spec import SpecError, load_spec
 
 
 def _load(args):
-    spec = load_spec(args.spec, run_dir=args.run_dir)
-    return spec, spec.to_hetjob(python=shlex.quote(sys.executable))
-
-
-def _live_problems(job, offline: bool):
-    """(cluster info or None, problems) — no cluster is read with --offline."""
-    if offline:
-        return None, []
-    from hpcrl.slurm.cluster import ClusterInfo
-
-    info = ClusterInfo.live()
-    return info, info.check(job)
+    return load_spec(args.spec, run_dir=args.run_dir)
 
 
 def cmd_validate(args) -> int:
-    from hpcrl.slurm.cluster import format_table
+    from hpcrl.job.checks import problems_before_submit
+    from hpcrl.launch.submit import hetjob_of
+    from hpcrl.slurm.cluster_info import ClusterInfo, format_table
 
-    _, job = _load(args)
-    info, problems = _live_problems(job, args.offline)
+    spec = _load(args)
+    job = hetjob_of(spec)
+    info = None if args.offline else ClusterInfo.live()
+    problems = problems_before_submit(spec, job, info)
     if problems:
         raise SpecError(problems, args.spec)
     print(f"OK: {args.spec} ({'offline, cluster not checked' if info is None else 'checked against the live cluster'})")
-    from hpcrl.slurm.cluster import ClusterInfo
-
     print(format_table((info or ClusterInfo({}, {})).summary(job)))
     return 0
 
 
 def cmd_render(args) -> int:
+    from hpcrl.launch.submit import checked_hetjob
     from hpcrl.slurm.render import render_hetjob
 
-    _, job = _load(args)
-    _, problems = _live_problems(job, args.offline)
-    if problems:
-        raise SpecError(problems, args.spec)
-    sys.stdout.write(render_hetjob(job))
+    sys.stdout.write(render_hetjob(checked_hetjob(_load(args), offline=args.offline)))
     return 0
 
 
 def cmd_submit(args) -> int:
-    from hpcrl.slurm.submit import submit_hetjob
-    from hpcrl.submitit_training import training_function
+    from hpcrl.launch.submit import submit
 
-    spec, job = _load(args)
-    handle = submit_hetjob(job, args.via, resume=args.resume, spec_data=spec.as_data(),
-                           dry_run=args.dry_run, fn=training_function(spec, args.via))
+    handle = submit(_load(args), args.via, resume=args.resume, dry_run=args.dry_run)
     if args.dry_run:
         sys.stdout.write(handle)
         return 0
@@ -82,12 +67,12 @@ def cmd_submit(args) -> int:
 
 def _run_progress(run_dir, say):
     """A poll callback that says when Ray is up and how far training got (from the run's files)."""
-    from hpcrl.status import read_status
+    from hpcrl.observe.status import read_status
 
     seen = {"ray": set(), "step": None, "printed": 0.0, "state": None}
 
     def poll():
-        for ready in (run_dir / "ray").glob("ready.*"):     # one per start: a requeued job starts Ray again
+        for ready in RunDir(run_dir).ray.glob(RunDir(run_dir).ray_ready("*").name):   # one per start of the job
             if ready.name not in seen["ray"]:
                 seen["ray"].add(ready.name)
                 say(f"Ray cluster ready: {ready.read_text().strip()}")
@@ -105,9 +90,9 @@ def _run_progress(run_dir, say):
 
 
 def _print_metrics(run_dir) -> None:
-    from hpcrl.metrics import read_metrics, reward_table
+    from hpcrl.observe.metrics import read_metrics, reward_table
 
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     records = read_metrics(path)
     if records:
         print(f"metrics: {path}\n{reward_table(records)}")
@@ -115,30 +100,41 @@ def _print_metrics(run_dir) -> None:
 
 def cmd_run(args) -> int:
     """The training loop of a spec on this machine: one local Ray node carrying every role."""
-    import ray
-
-    from hpcrl.config import PPOConfig
-    from hpcrl.raycluster.session import start_local
-    from hpcrl.trainer import train
+    from hpcrl.launch.driver import run
+    from hpcrl.slurm.submit import write_spec
 
     if not args.local:
         raise SpecError(["hpcrl run needs --local (on a cluster use `hpcrl submit`)"], args.spec)
-    spec, _ = _load(args)
+    spec = _load(args)
     if not spec.train:
-        raise SpecError(["train: empty; there is nothing to run (see hpcrl/config.py for the settings)"], args.spec)
-    cfg = PPOConfig.from_dict(spec.train)
-    run_dir = spec.run_dir
-    if (run_dir / "metrics.jsonl").exists() and not args.resume:
-        raise SpecError([f"run_dir: {run_dir} already holds a run (metrics.jsonl); add --resume to continue it "
-                         "from its newest checkpoint, or choose a new --run-dir"], args.spec)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"run dir {run_dir}; roles {', '.join(cfg.roles())} on one local Ray node", flush=True)
-    start_local(list(spec.roles), run_dir=run_dir, num_cpus=args.num_cpus)
-    try:
-        train(cfg, run_dir, tensorboard=spec.metrics.tensorboard)
-    finally:
-        ray.shutdown()
-    _print_metrics(run_dir)
+        raise SpecError(["train: empty; there is nothing to run (hpcrl/ppo/config.py lists the settings)"], args.spec)
+    paths = RunDir(spec.run_dir)
+    if paths.metrics.exists() and not args.resume:
+        raise SpecError([f"run_dir: {paths.root} already holds a run ({paths.metrics.name}); add --resume to continue "
+                         "it from its newest checkpoint, or choose a new --run-dir"], args.spec)
+    write_spec(paths.root, spec.as_data())
+    print(f"run dir {paths.root}; roles {', '.join(spec.roles)} on one local Ray node", flush=True)
+    run(paths.root, local=True, num_cpus=args.num_cpus)
+    _print_metrics(paths.root)
+    return 0
+
+
+def cmd_init(args) -> int:
+    """The example specs that ship with hpcrl, or one of them to start from."""
+    from importlib import resources
+
+    examples = {p.name.removesuffix(".yaml"): p for p in resources.files("hpcrl.jobs").iterdir()
+                if p.name.endswith(".yaml")}
+    if args.name is None:
+        width = max(map(len, examples))
+        for name, path in sorted(examples.items()):
+            print(f"{name:<{width}}  {path.read_text().splitlines()[0].lstrip('# ')}")
+        print("\nhpcrl init NAME > job.yaml   writes one to start from")
+        return 0
+    if args.name not in examples:
+        print(f"error: no example {args.name!r}; there are: {', '.join(sorted(examples))}", file=sys.stderr)
+        return 2
+    sys.stdout.write(examples[args.name].read_text())
     return 0
 
 
@@ -146,7 +142,7 @@ def _run_dir_of(target: str):
     """A run directory, or a job id whose Slurm output file lies in RUN_DIR/logs/."""
     from pathlib import Path
 
-    from hpcrl.slurm.cluster import SlurmCommandError, parse_records, slurm_cmd
+    from hpcrl.slurm.cluster_info import SlurmCommandError, parse_records, slurm_cmd
 
     if not target.isdigit() or Path(target).is_dir():
         return Path(target)
@@ -157,100 +153,11 @@ def _run_dir_of(target: str):
     return Path(rec["StdOut"]).parent.parent
 
 
-def gather_status(run_dir) -> dict:
-    """Everything `hpcrl status` shows, from Slurm and the run's files (no Ray connection)."""
-    import json
-
-    from hpcrl.checkpoint import CheckpointStore
-    from hpcrl.slurm.cluster import SlurmCommandError
-    from hpcrl.slurm.submit import component_states
-    from hpcrl.status import read_status
-
-    def read(name):
-        path = run_dir / name
-        return json.loads(path.read_text()) if path.exists() else None
-
-    job, alloc, cluster = read("job.json"), read("allocation.json"), read("ray/cluster.json")
-    if job is None and read_status(run_dir) is None:
-        raise SubmitError(f"{run_dir} has neither job.json nor status.json: not a run directory")
-    out = {"run_dir": str(run_dir.resolve()), "job": None, "components": [], "run": read_status(run_dir)}
-    if job:
-        try:
-            states, slurm_error = component_states(job["job_id"]), None
-        except (SubmitError, SlurmCommandError) as e:    # Slurm unreachable or the job forgotten: show the rest
-            states, slurm_error = {}, str(e).splitlines()[0]
-        out["job"] = {"id": job["job_id"], "name": job["name"], "via": job["via"], "slurm_error": slurm_error,
-                      "restart_count": alloc["restart_count"] if alloc else 0}
-        comps = {c["index"]: c for c in (alloc or {}).get("components", [])}
-        for index in sorted(set(job["members"].values())):
-            c = comps.get(index, {})
-            out["components"].append({"index": index, "roles": [r for r, i in job["members"].items() if i == index],
-                                      "state": states.get(index, "?"), "partition": c.get("partition"),
-                                      "nodes": [n["name"] for n in c.get("nodes", [])]})
-    store = CheckpointStore(run_dir)
-    steps = store.committed_steps() if store.root.exists() else []
-    if steps:
-        manifest = store.manifest(steps[-1])
-        out["checkpoint"] = {"step": steps[-1], "committed_at": manifest.get("time"),
-                             "path": str(store.step_dir(steps[-1]))}
-    else:
-        out["checkpoint"] = None
-    out["ray"] = None
-    if cluster:
-        ready = run_dir / "ray" / f"ready.{cluster['run_id']}"     # this start's barrier, not an earlier one's
-        out["ray"] = {"address": cluster["address"], "head": cluster["head"]["name"],
-                      "nodes": [f"{n['name']}@{n['addr']}" for n in cluster["nodes"]],
-                      "ready": ready.read_text().strip() if ready.exists() else None,
-                      "token": str(run_dir / "ray" / "token")}
-    names = {n["addr"]: n["name"] for n in (cluster or {}).get("nodes", [])}
-    for role in ((out["run"] or {}).get("roles") or {}).values():
-        for r in role["ranks"]:
-            r["node"] = names.get(r["node_ip"], r["node_ip"])
-    return out
-
-
-def _age(t) -> str:
-    if not t:
-        return "?"
-    s = max(0, time.time() - t)
-    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
-
-
-def format_status(st: dict) -> str:
-    lines = []
-    job, run = st["job"], st["run"]
-    if job:
-        lines.append(f"job {job['id']} ({job['name']}, via {job['via']}), restarts {job['restart_count']}"
-                     + (f"; {job['slurm_error']}" if job["slurm_error"] else ""))
-        for c in st["components"]:
-            lines.append(f"  component {c['index']} {','.join(c['roles']):22s} {c['state']:11s} "
-                         f"partition {c['partition'] or '?':8s} nodes {' '.join(c['nodes']) or '-'}")
-    if st["ray"]:
-        ray_ = st["ray"]
-        lines.append(f"ray: {ray_['address']} (head {ray_['head']}), nodes {' '.join(ray_['nodes'])}; "
-                     + (f"ready: {ray_['ready']}" if ray_["ready"] else "not all joined yet"))
-    if run:
-        where = f", {run['phase']} for {time.time() - run['phase_since']:.0f} s" if run.get("phase") and run.get("phase_since") else ""
-        step = "" if run["state"] == "starting" else f", step {run['step']}/{run['total_steps']}"
-        lines.append(f"run: {run['state']}{step}{where} (status written {_age(run['updated'])})")
-        if run.get("error"):
-            lines.append(f"  error: {run['error']}")
-        for name, role in run["roles"].items():
-            ranks = " ".join(f"rank{r['rank']}@{r['node']}(pid {r['pid']})" for r in role["ranks"])
-            lines.append(f"  {name:16s} {role['state']:10s} restarts {role['restarts']}  {ranks}")
-            if role.get("last_error"):
-                lines.append(f"  {'':16s} last error: {role['last_error']}")
-    else:
-        lines.append("run: no driver status (not started yet, or the spec has no train: section)")
-    ck = st["checkpoint"]
-    lines.append(f"checkpoint: step {ck['step']}, committed {_age(ck['committed_at'])}, {ck['path']}" if ck
-                 else "checkpoint: none committed yet")
-    return "\n".join(lines)
-
-
 def cmd_status(args) -> int:
     """From Slurm and the run directory's files only: no Ray connection from the login node."""
     import json
+
+    from hpcrl.observe.overview import format_status, gather_status
 
     st = gather_status(_run_dir_of(args.target))
     print(json.dumps(st, indent=1) if args.json else format_status(st))
@@ -258,8 +165,8 @@ def cmd_status(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    from hpcrl.logs import follow, log_files, merged_lines
-    from hpcrl.status import read_status
+    from hpcrl.observe.logs import follow, log_files, merged_lines
+    from hpcrl.observe.status import read_status
 
     run_dir = _run_dir_of(args.target)
     try:
@@ -277,7 +184,7 @@ def cmd_logs(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from hpcrl.report import write_report
+    from hpcrl.observe.report import write_report
 
     try:
         index = write_report(_run_dir_of(args.target))
@@ -292,7 +199,7 @@ def cmd_ckpt(args) -> int:
     """Committed steps of a run, or the verification of one step (or all)."""
     from pathlib import Path
 
-    from hpcrl.checkpoint import CheckpointStore
+    from hpcrl.checkpoint.store import CheckpointStore
 
     store = CheckpointStore(Path(args.run_dir), keep_last=0)
     steps = store.committed_steps()
@@ -345,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     c.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
     c.set_defaults(fn=cmd_run)
+    c = sub.add_parser("init", help="list the example job specs, or print one to start from: hpcrl init NAME > job.yaml")
+    c.add_argument("name", nargs="?", help="an example's name (without NAME, the list)")
+    c.set_defaults(fn=cmd_init)
     c = sub.add_parser("ckpt", help="a run's checkpoints: ls (steps, sizes, roles, status) or verify [STEP]")
     c.add_argument("action", choices=["ls", "verify"])
     c.add_argument("run_dir", help="run directory")
@@ -369,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from hpcrl.slurm.cluster import SlurmCommandError
+    from hpcrl.slurm.cluster_info import SlurmCommandError
 
     try:
         return args.fn(args)

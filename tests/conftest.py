@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -11,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.config import PPOConfig
-from hpcrl.metrics import read_metrics
+from hpcrl.observe.metrics import read_metrics
+from hpcrl.ppo.config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm" / "cluster"
@@ -54,7 +53,7 @@ def wait_until(cond, timeout: float, what: str, poll: float = 0.2):
 
 
 def job_records(job_id: str) -> list[dict]:
-    from hpcrl.slurm.cluster import parse_records
+    from hpcrl.slurm.cluster_info import parse_records
 
     return parse_records(sh("scontrol", "show", "job", "-o", job_id))
 
@@ -67,23 +66,14 @@ def queue_ids() -> set[str]:
     return set(sh("squeue", "-h", "-o", "%i").split())
 
 
-LOCAL_TRAINING = """
-import json, sys; from pathlib import Path; import ray
-from hpcrl.config import PPOConfig; from hpcrl.trainer import StopRequest, train
-from hpcrl.raycluster.session import start_local
-stop = StopRequest(); stop.install()
-cfg = PPOConfig(**json.loads(sys.argv[2])); run = Path(sys.argv[1])
-start_local(cfg.roles(), run_dir=run, num_cpus=2)
-_, reason = train(cfg, run, stop=stop); ray.shutdown(); sys.exit(3 if reason else 0)
-"""
-
-
 def start_local_training(run: Path, cfg: PPOConfig) -> subprocess.Popen:
-    """The trainer on a fresh local Ray in its own process (each run starts from a clean Ray).
-    SIGUSR1 stops it at a committed checkpoint with exit code 3, as in a job."""
-    run.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", LOCAL_TRAINING, str(run), json.dumps(dataclasses.asdict(cfg))],
-                            cwd=ROOT)
+    """The driver started the one way (`python -m hpcrl.launch RUN_DIR --local`) on a fresh local
+    Ray in its own process (each run starts from a clean Ray). SIGUSR1 stops it at a committed
+    checkpoint with exit code 3, as in a job."""
+    from hpcrl.launch.driver import write_local_spec
+
+    write_local_spec(run, dataclasses.asdict(cfg))
+    return subprocess.Popen([sys.executable, "-m", "hpcrl.launch", str(run), "--local", "--num-cpus", "2"], cwd=ROOT)
 
 
 def run_local(run: Path, cfg: PPOConfig) -> list[dict]:

@@ -14,17 +14,17 @@ import h5py
 import numpy as np
 import pytest
 import torch
-
-from hpcrl.checkpoint import CheckpointStore, read_role_file, rng_state, set_rng_state, write_role_file
-from hpcrl.config import PPOConfig
-from hpcrl.controller import local_worker
-from hpcrl.data import PromptDataset
-from hpcrl.models import CharTokenizer
-from hpcrl.tasks import copy as copy_task
-from hpcrl.trainer import prepare_inputs
-from hpcrl.workers import ActorRollout
-
 from conftest import ROOT, sh
+
+from hpcrl.checkpoint.format import read_role_file, rng_state, set_rng_state, write_role_file
+from hpcrl.checkpoint.store import CheckpointStore
+from hpcrl.controller import local_worker
+from hpcrl.models import CharTokenizer
+from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.driver import prepare_inputs
+from hpcrl.ppo.roles import ActorRollout
+from hpcrl.ppo.tasks import copy_digits as copy_task
 
 TOK = CharTokenizer(copy_task.ALPHABET)
 
@@ -100,7 +100,8 @@ def commit(store, step, roles=("actor",), mb=1):
 
 WRITER = """
 import sys, torch
-from hpcrl.checkpoint import CheckpointStore, write_role_file
+from hpcrl.checkpoint.format import write_role_file
+from hpcrl.checkpoint.store import CheckpointStore
 store = CheckpointStore(sys.argv[1])
 state = {f"t{i}": torch.randn(2**20) for i in range(200)}     # 800 MB: seconds to write
 write_role_file(store.role_path(2, "actor"), state, {"step": 2})
@@ -232,7 +233,7 @@ def test_parallel_hdf5_file_equals_the_serial_one(slurm_cluster, trained, tmp_pa
     """Two ranks stage their rows, an MPI step of two tasks on two nodes writes one file through
     h5py's mpio driver; it holds what the serial writer writes, and the serial reader reads it back
     bitwise. The other way round: two MPI tasks read the serial file through mpio."""
-    from hpcrl import checkpoint_mpio
+    from hpcrl.checkpoint import parallel as parallel_hdf5
 
     _, _, _, actor, _ = trained
     state = {"role": actor.checkpoint_state(), "rng": {0: rng_state(), 1: rng_state()},
@@ -242,18 +243,18 @@ def test_parallel_hdf5_file_equals_the_serial_one(slurm_cluster, trained, tmp_pa
     parallel, serial = tmp_path / "ckpt" / "step_00000003" / "actor_rollout.h5", tmp_path / "serial.h5"
     script = tmp_path / "job.sh"
     script.write_text(f"""#!/bin/bash
-{sys.executable} -c 'import json, sys; from hpcrl.checkpoint_mpio import write_staged
+{sys.executable} -c 'import json, sys; from hpcrl.checkpoint.parallel import write_staged
 print(json.dumps(write_staged(sys.argv[1], ["cpun2", "cpun1"])))' {parallel}
 srun --mpi=pmix --ntasks=2 --overlap {sys.executable} -c '{MPIO_READER}' {serial}
 """)
     try:
         for rank in (0, 1):
-            checkpoint_mpio.stage(parallel, state, attrs, rank, 2)
+            parallel_hdf5.stage(parallel, state, attrs, rank, 2)
         write_role_file(serial, state, attrs)
         sh("sbatch", "--wait", "-p", "cpu", "-N2", "-o", str(tmp_path / "out"), "-D", str(ROOT), str(script))
-        assert not checkpoint_mpio.staging_dir(parallel).exists()      # the tasks removed their shares
+        assert not parallel_hdf5.staging_dir(parallel).exists()      # the tasks removed their shares
     finally:
-        shutil.rmtree(checkpoint_mpio.staging_dir(parallel), ignore_errors=True)   # shared memory, not tmp_path
+        shutil.rmtree(parallel_hdf5.staging_dir(parallel), ignore_errors=True)   # shared memory, not tmp_path
     written, digests = [json.loads(line) for line in (tmp_path / "out").read_text().splitlines()[-2:]]
     assert written["writer"] == "parallel HDF5, 2 ranks" and written["bytes"] == parallel.stat().st_size
 

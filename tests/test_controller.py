@@ -4,6 +4,7 @@ import logging
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -12,9 +13,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hpcrl.controller import (Dispatch, DispatchMode, ResourcePool, RoleRestartLimit, Worker, WorkerGroup,
-                              register, register_dispatch)
-from hpcrl.protocol import Batch
+from hpcrl.controller import (
+    Dispatch,
+    DispatchMode,
+    ResourcePool,
+    RoleRestartLimit,
+    Worker,
+    WorkerGroup,
+    register,
+    register_dispatch,
+)
+from hpcrl.controller.batch import Batch
 
 # Every other rank gets the batch, the rest nothing: a custom mode to show the hook works.
 register_dispatch(DispatchMode("EVEN_RANKS", lambda n, a, k: [(a, k) if r % 2 == 0 else None for r in range(n)],
@@ -223,3 +232,33 @@ def test_pool_for_a_role_no_node_carries(ray_local):
 
     with pytest.raises(ResourcePoolError, match=r"no alive Ray node carries role 'critic' \(roles present: \['a', 'b', 'c'\]\)"):
         ResourcePool.for_role("critic")
+
+
+GPU_NODE = """
+import ray
+from hpcrl.controller import ResourcePool, ResourcePoolError, Worker, WorkerGroup
+from hpcrl.raycluster.session import start_local
+
+class Idle(Worker):
+    pass
+
+start_local(["a", "b", "c"], num_cpus=4, num_gpus=2)     # one node with two (Ray-counted) GPUs
+pool = ResourcePool.for_role("a", max_colocate_count=2)
+fused = WorkerGroup.colocated(pool, {"a": (Idle, (), {}), "b": (Idle, (), {})})
+print("gpus of the colocated ranks:", sorted(map(tuple, fused["a"]._hosts.gpu_ids)))
+try:
+    ResourcePool.for_role("c").placement_group(timeout_s=5)
+    print("a GPU process of role c was placed")
+except ResourcePoolError as e:
+    print("refused:", e)
+ray.shutdown()
+"""
+
+
+def test_colocated_processes_hold_whole_gpus():
+    """Two roles colocated on a node of two GPUs: one process per GPU, each holding all of its GPU,
+    so another role's GPU process finds no room on that node (a half-GPU reservation would leave
+    it room on "the rest" of both GPUs)."""
+    out = subprocess.run([sys.executable, "-c", GPU_NODE], capture_output=True, text=True, timeout=300)
+    assert "gpus of the colocated ranks: [('0',), ('1',)]" in out.stdout, out.stdout + out.stderr
+    assert "refused: role 'c': 2 processes of {'CPU': " in out.stdout and "'GPU': 1}" in out.stdout, out.stdout

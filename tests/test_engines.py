@@ -5,10 +5,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from hpcrl.engines.megatron_layout import Shape, to_hf, to_megatron
-from hpcrl.engines.rollout_static import StaticCacheRollout
-from hpcrl.engines.rollout_torch import SamplingParams
+from hpcrl.engines.base import SamplingParams
+from hpcrl.engines.rollout.static_cache import StaticCacheRollout
+from hpcrl.engines.train.megatron_layout import to_hf, to_megatron
 from hpcrl.models import ValueModel, response_log_probs
+from hpcrl.models.shape import Shape
 
 
 def qwen2(vocab=61, tied=False):

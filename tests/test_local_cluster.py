@@ -1,6 +1,5 @@
 """The local cluster is a real Slurm: batch jobs, hetjobs across partitions, preemption with requeue."""
 import pytest
-
 from conftest import job_finished, job_records, sh, wait_until
 
 pytestmark = pytest.mark.slurm

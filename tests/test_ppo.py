@@ -7,18 +7,17 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from hpcrl.config import PPOConfig
-from hpcrl.controller import local_worker
-from hpcrl.data import PromptDataset
-from hpcrl.metrics import read_metrics
-from hpcrl.models import CharTokenizer, response_log_probs
-from hpcrl.protocol import Batch
-from hpcrl.tasks import copy as copy_task
-from hpcrl.trainer import compute_advantages, prepare_inputs
-from hpcrl.workers import ActorRollout, Critic, RewardModel, RuleReward
-
 from conftest import ROOT, comparable, run_local
+
+from hpcrl.controller import local_worker
+from hpcrl.controller.batch import Batch
+from hpcrl.models import CharTokenizer, response_log_probs
+from hpcrl.observe.metrics import read_metrics
+from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.driver import compute_advantages, prepare_inputs
+from hpcrl.ppo.roles import ActorRollout, Critic, RewardModel, RuleReward
+from hpcrl.ppo.tasks import copy_digits as copy_task
 
 TOK = CharTokenizer(copy_task.ALPHABET)
 

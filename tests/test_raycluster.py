@@ -9,12 +9,12 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import yaml
+from conftest import ROOT, job_finished, job_records, sh, wait_until
 
 import hpcrl
 from hpcrl.raycluster.ports import SIZE, choose_block
 from hpcrl.slurm.render import render_hetjob
 from hpcrl.slurm.submit import HetjobExecutor
-from conftest import ROOT, job_finished, job_records, sh, wait_until
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in the job
 
@@ -38,6 +38,7 @@ def ray_processes_of(job_id: str) -> list[int]:
 def inspect_cluster(run_dir, roles):
     """Runs in component 0 after the barrier."""
     import json
+
     import ray
 
     from hpcrl.raycluster import connect

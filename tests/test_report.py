@@ -4,9 +4,9 @@ import re
 import subprocess
 import sys
 
-from hpcrl.report import CURVES, restarts
-
 from conftest import ROOT, plot_pixels_seen_by_chromium
+
+from hpcrl.observe.report import CURVES, restarts
 
 
 def fake_requeued_run(run):
@@ -55,9 +55,9 @@ def test_report_writes_pngs_and_an_html_that_chromium_renders(tmp_path):
 def test_tensorboard_gets_the_same_scalars(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from hpcrl.metrics import MetricsLog, read_metrics
+    from hpcrl.observe.metrics import MetricsLog, read_metrics
 
-    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=True)
+    log = MetricsLog(tmp_path, tensorboard=True)
     for step in (1, 2, 3):
         log.write({"step": step, "time": 1000.0 + step, "reward/mean": step / 4, "actor/pg_loss": None})
     events = EventAccumulator(str(tmp_path / "tensorboard"))

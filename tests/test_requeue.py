@@ -11,11 +11,11 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-
-from hpcrl.config import PPOConfig
-from hpcrl.metrics import read_metrics
-
 from conftest import ROOT, comparable, job_finished, plot_pixels_seen_by_chromium, sh, start_local_training, wait_until
+
+from hpcrl.observe.metrics import read_metrics
+from hpcrl.ppo.config import PPOConfig
+
 
 def final_state(run, step) -> dict:
     """Every dataset of the trained roles' files at `step`, as numpy arrays."""
@@ -173,8 +173,8 @@ def test_a_rebuilt_role_comes_back_from_its_latest_committed_file(tmp_path):
 
     import ray
 
+    from hpcrl.ppo.driver import build_worker_groups, prepare_inputs, train
     from hpcrl.raycluster.session import start_local
-    from hpcrl.trainer import build_worker_groups, prepare_inputs, train
 
     cfg = PPOConfig(total_steps=4, save_every=2, progress=False)
     start_local(["actor_rollout", "critic", "ref", "reward"], run_dir=tmp_path, num_cpus=2)

@@ -1,8 +1,8 @@
 """Job spec parsing and its errors (pure logic: no cluster)."""
 import pytest
 
+from hpcrl.job import SpecError, load_spec, parse_spec
 from hpcrl.slurm.job import Gres, parse_mem_mb, parse_time_minutes
-from hpcrl.spec import SpecError, load_spec, parse_spec
 
 GOOD = {"name": "t", "run_dir": "/tmp/x",
         "roles": {"actor_rollout": {"partition": "a100", "gpus_per_node": 1, "gpu_type": "a100"},
@@ -96,20 +96,24 @@ def test_megatron_needs_gpus_that_its_layout_divides():
 
 
 def test_parallel_checkpoints_need_an_h5py_with_mpi_in_the_jobs_python(tmp_path):
+    """Checked before submission (validate, render, submit; also offline), not each time a spec loads."""
     import subprocess
     import sys
 
+    from hpcrl.launch.submit import checked_hetjob
+
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
+    bare = parse_spec({**GOOD, "python": str(tmp_path / "bare" / "bin" / "python"), "train": {"checkpoint_io": "parallel"}})
     with pytest.raises(SpecError, match=r"train.checkpoint_io: parallel, but h5py does not import in .*bare.*"
                                         r"or use checkpoint_io: auto"):
-        parse_spec({**GOOD, "python": str(tmp_path / "bare" / "bin" / "python"), "train": {"checkpoint_io": "parallel"}})
+        checked_hetjob(bare, offline=True)
     with pytest.raises(SpecError, match=r"train.checkpoint_io: 'always' is not auto, parallel or serial"):
         parse_spec({**GOOD, "train": {"checkpoint_io": "always"}})
     assert parse_spec({**GOOD, "train": {"checkpoint_io": "parallel"}}).train["checkpoint_io"] == "parallel"
 
 
 def test_an_mpi_step_names_its_own_component_and_puts_rank_i_on_hosts_i():
-    from hpcrl.checkpoint_mpio import rows
+    from hpcrl.checkpoint.parallel import rows
     from hpcrl.slurm.mpi_step import step_command
 
     het = {"SLURM_JOB_ID": "324", "SLURM_JOB_NODELIST": "h100n[1-2]", "SLURM_JOB_ID_HET_GROUP_0": "323",

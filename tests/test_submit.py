@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import ROOT, job_finished, job_records, queue_ids, wait_until
 
 import hpcrl
 from hpcrl.slurm.submit import SubmitError
-from conftest import ROOT, job_finished, job_records, queue_ids, wait_until
 
 pytestmark = pytest.mark.slurm
 TINY = ROOT / "jobs" / "tiny-cpu.yaml"

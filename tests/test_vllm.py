@@ -10,16 +10,15 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-from hpcrl.config import PPOConfig
-from hpcrl.controller import ResourcePool, WorkerGroup
-from hpcrl.data import PromptDataset
-from hpcrl.models import CharTokenizer
-from hpcrl.protocol import Batch
-from hpcrl.trainer import prepare_inputs
-from hpcrl.workers import ActorRollout, Rollout
-
 from conftest import run_local
+
+from hpcrl.controller import ResourcePool, WorkerGroup
+from hpcrl.controller.batch import Batch
+from hpcrl.models import CharTokenizer
+from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.driver import prepare_inputs
+from hpcrl.ppo.roles import ActorRollout, Rollout
 
 CFG = PPOConfig(rollout_engine="vllm", batch_size=16, mini_batch_size=16, micro_batch_size=16, ppo_epochs=1,
                 warmup_steps=0, max_new_tokens=4, temperature=0.9, actor_lr=3e-3)
@@ -103,7 +102,6 @@ def test_new_weights_reach_both_engines(groups):
 def test_tiny_job_learns_with_the_vllm_engine(tmp_path):
     """jobs/tiny-cpu.yaml (200 steps) with rollout_engine: vllm: the torch engine's threshold."""
     import yaml
-
     from conftest import ROOT
 
     train = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())["train"]

@@ -18,20 +18,14 @@ to the ranks as Ray object refs and never fetched by the driver.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
-from hpcrl.protocol import Batch, concat_results
-
-
-class Deferred(Protocol):
-    """A value still being computed elsewhere (a GroupFuture): the driver passes refs, not data."""
-
-    def whole(self) -> Any: ...                 # one object ref to the collected value
-
-    def shards(self, n: int) -> list[Any]: ...  # n object refs, Batch chunks in order
+from hpcrl.controller.batch import Batch, concat_results
 
 
 def _is_deferred(x) -> bool:
+    """A value still being computed elsewhere (a GroupFuture: `whole()` is one object ref to the
+    collected value, `shards(n)` n refs to its Batch chunks): the driver passes refs, not data."""
     return hasattr(x, "shards") and hasattr(x, "whole")
 
 

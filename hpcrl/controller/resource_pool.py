@@ -2,9 +2,10 @@
 
 The Ray bootstrap gives every node of a role's Slurm component the custom resource
 `role:<name>`; the pool is the alive nodes carrying it, never a list of node names. A node
-with GPUs runs one process per GPU; a CPU node runs `processes_per_node` (default 1). When
-several roles share a node (the reference and reward roles of one component, or every role
-in local mode) each gets an equal share of its CPUs.
+with GPUs runs one process per GPU, and that process holds its whole GPU, however many
+colocated roles it hosts: no other process can be placed on "the rest" of a GPU it uses. A CPU
+node runs `processes_per_node` (default 1). When several roles share a node (the reference and
+reward roles of one component, or every role in local mode) each gets an equal share of its CPUs.
 
 Ranks are laid out node by node: rank = node_index * processes_per_node + local_index, each
 bundle pinned to its node by Ray's `node:<ip>` resource, so a group's placement is the same
@@ -27,8 +28,8 @@ class ResourcePool:
     node_ips: list[str]
     processes_per_node: int
     cpus_per_process: float
-    gpus_per_process: float
-    max_colocate_count: int = 1
+    gpus_per_process: int          # 1 on a GPU node, 0 on a CPU node
+    max_colocate_count: int = 1    # roles one process may host
 
     @classmethod
     def for_role(cls, role: str, processes_per_node: int | None = None, max_colocate_count: int = 1) -> ResourcePool:
@@ -48,8 +49,7 @@ class ResourcePool:
         ppn = gpus or processes_per_node or 1
         sharing = max(sum(k.startswith("role:") for k in n["Resources"]) for n in nodes)
         cpus = min(n["Resources"].get("CPU", 0) for n in nodes) / ppn / sharing
-        return cls(role, [n["NodeManagerAddress"] for n in nodes], ppn, cpus,
-                   1.0 / max_colocate_count if gpus else 0.0, max_colocate_count)
+        return cls(role, [n["NodeManagerAddress"] for n in nodes], ppn, cpus, 1 if gpus else 0, max_colocate_count)
 
     @property
     def world_size(self) -> int:
@@ -64,8 +64,7 @@ class ResourcePool:
 
     def placement_group(self, n_roles: int = 1, timeout_s: float = 120.0):
         """A new placement group with one bundle per rank, each pinned to its node. Each WorkerGroup
-        holds its own (kept when the group is rebuilt); groups sharing the pool share its GPUs
-        through `gpus_per_process = 1 / max_colocate_count`."""
+        holds its own (kept when the group is rebuilt); colocated roles share one group."""
         import ray
         from ray.util.placement_group import placement_group
 

@@ -14,10 +14,11 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from hpcrl.run_dir import rank_log
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ class WorkerHost:
         self.rank = rank
         if self.log_dir:
             for role in self.roles:
-                path = Path(self.log_dir) / role / f"rank{rank}.log"
+                path = rank_log(self.log_dir, role, rank)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self.files[role] = open(path, "a", buffering=1)
             sys.stdout, sys.stderr = RoleLog(self, sys.__stdout__), RoleLog(self, sys.__stderr__)

@@ -1,6 +1,3 @@
-"""Engines behind one small interface each: rollout (generate) and training (train_step).
-The vLLM rollout engine is `hpcrl.engines.rollout_vllm.VLLMRollout`, imported where it is used."""
-from hpcrl.engines.rollout_torch import SamplingParams, TorchRollout
-from hpcrl.engines.train_torch import OptimConfig, TorchTrainer
-
-__all__ = ["SamplingParams", "TorchRollout", "OptimConfig", "TorchTrainer"]
+"""Engines: how a role's model is trained (train/: torch, megatron-core) and how responses are
+generated (rollout/: torch, CUDA-graph static cache, vLLM), each behind a Protocol in base.py.
+Import the engine modules themselves: vLLM and megatron-core are imported only where they are used."""

@@ -1,14 +1,14 @@
 """python -m hpcrl.raycluster prepare|node|wait|stop RUN_DIR  (steps of the batch script).
 
 prepare prints the bootstrap it chose (mpi or poll) on stdout, for the script to start the node step
-accordingly; HPCRL_BOOTSTRAP (poll, mpi, auto) and HPCRL_MPI (the srun --mpi plugin) select it."""
-import os
+accordingly; the job's bootstrap and srun --mpi plugin select it (hpcrl.job_env.JobEnv)."""
 import sys
 import time
 from pathlib import Path
 
+from hpcrl.job_env import JobEnv
 from hpcrl.raycluster.node import run_node
-from hpcrl.raycluster.session import DEFAULT_START_TIMEOUT_S, prepare, request_stop, wait_ready
+from hpcrl.raycluster.session import prepare, request_stop, wait_ready
 
 
 def main(argv: list[str]) -> int:
@@ -18,8 +18,8 @@ def main(argv: list[str]) -> int:
     cmd, run_dir = argv[0], Path(argv[1])
     if cmd == "prepare":
         try:
-            c = prepare(run_dir, float(os.environ.get("HPCRL_RAY_START_TIMEOUT", DEFAULT_START_TIMEOUT_S)),
-                        os.environ.get("HPCRL_BOOTSTRAP", "poll"), os.environ.get("HPCRL_MPI", "pmix"))
+            env = JobEnv.read()
+            c = prepare(run_dir, env.ray_start_timeout, env.bootstrap, env.mpi)
         except RuntimeError as e:
             print(f"[hpcrl] error: {e}", file=sys.stderr, flush=True)
             return 1

@@ -17,16 +17,17 @@ import threading
 import time
 from pathlib import Path
 
+from hpcrl.files import atomic_write_text
 from hpcrl.raycluster.ports import PortBlock, choose_block
+from hpcrl.run_dir import RunDir
 from hpcrl.slurm.allocation import node_name
-from hpcrl.util import atomic_write_text
 
 POLL_S = 0.1
 
 
 def ray_env(run_dir: Path) -> dict[str, str]:
     """What every Ray process of the job (nodes and drivers) needs: token auth, no usage stats."""
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(run_dir / "ray" / "token"),
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(RunDir(run_dir).ray_token),
             "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -103,16 +104,17 @@ def start_ray(cmd: list[str], env: dict, log_path: Path) -> tuple[subprocess.Pop
 
 
 def run_node(run_dir: Path) -> int:
-    cluster = json.loads((run_dir / "ray" / "cluster.json").read_text())
+    paths = RunDir(run_dir)
+    cluster = json.loads(paths.ray_cluster.read_text())
     name = node_name()
     me = next((n for n in cluster["nodes"] if n["name"] == name), None)
     if me is None:
         raise RuntimeError(f"node {name} is not in {run_dir}/ray/cluster.json")
     head = name == cluster["head"]["name"]
     ports = PortBlock(cluster["head"]["ports"]["start"]) if head else choose_block(cluster["job_id"], me["index"], len(cluster["nodes"]))
-    stop_file = run_dir / "ray" / f"stop.{cluster['run_id']}"
-    failed = run_dir / "ray" / "failed"
-    log_dir = run_dir / "logs" / "ray"
+    stop_file = paths.ray_stop(cluster["run_id"])
+    failed = paths.ray_failed
+    log_dir = paths.ray_logs
     log_dir.mkdir(parents=True, exist_ok=True)
     temp_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcrl-ray-{cluster['job_id']}-{name}"
 
@@ -178,7 +180,7 @@ def run_node(run_dir: Path) -> int:
         joined = rendezvous.gather_started(comm, started.is_set())    # the readiness barrier, at rank 0
         rendezvous.finish()     # MPI's part is over: no node's exit may wait on another's in MPI_Finalize
         if joined and all(joined):
-            atomic_write_text(run_dir / "ray" / f"ready.{cluster['run_id']}",
+            atomic_write_text(paths.ray_ready(cluster["run_id"]),
                               f"{len(joined)} nodes after {time.monotonic() - t0:.2f} s (MPI rendezvous)\n")
     try:
         while not stop_asked and not stop_file.exists() and proc.poll() is None:

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from hpcrl.util import interpreter_problem
+from hpcrl.probe import interpreter_problem
 
 MODES = ("poll", "mpi", "auto")
 PMI_VARIABLES = ("PMIX_RANK", "PMI_RANK", "PMI_FD")

@@ -16,11 +16,11 @@ import time
 import uuid
 from pathlib import Path
 
+from hpcrl.files import atomic_write_text
+from hpcrl.job_env import JobEnv
 from hpcrl.raycluster.node import node_resources, ray_env, wait_for_port
 from hpcrl.raycluster.ports import choose_block
-from hpcrl.util import atomic_write_text
-
-DEFAULT_START_TIMEOUT_S = 180
+from hpcrl.run_dir import RunDir
 
 
 def _gpu_type(gres: str) -> str | None:
@@ -35,20 +35,20 @@ def _write_token(path: Path) -> None:
         f.write(secrets.token_hex(32))
 
 
-def prepare(run_dir: Path, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, bootstrap: str = "poll",
-            mpi_plugin: str = "pmix") -> dict:
+def prepare(run_dir: Path, start_timeout_s: float = JobEnv.ray_start_timeout, bootstrap: str = JobEnv.bootstrap,
+            mpi_plugin: str = JobEnv.mpi) -> dict:
     """Run in the batch shell, on the head node (first node of component 0), after allocation.json.
     Decides the bootstrap (`auto` becomes mpi or poll here) and records it in cluster.json."""
     from hpcrl.raycluster.rendezvous import resolve
 
     mode, why = resolve(bootstrap, mpi_plugin)
-    alloc = json.loads((run_dir / "allocation.json").read_text())
-    ray_dir = run_dir / "ray"
-    ray_dir.mkdir(parents=True, exist_ok=True)
-    ray_dir.chmod(0o700)
-    (ray_dir / "token").unlink(missing_ok=True)  # a fresh token for every job start
-    _write_token(ray_dir / "token")
-    for old in (ray_dir / "failed").glob("*"):
+    paths = RunDir(run_dir)
+    alloc = json.loads(paths.allocation.read_text())
+    paths.ray.mkdir(parents=True, exist_ok=True)
+    paths.ray.chmod(0o700)
+    paths.ray_token.unlink(missing_ok=True)  # a fresh token for every job start
+    _write_token(paths.ray_token)
+    for old in paths.ray_failed.glob("*"):
         old.unlink()
     nodes = [{"index": k, "name": n["name"], "addr": n["addr"], "component": c["index"], "members": c["members"],
               "partition": c["partition"], "gpu_type": _gpu_type(c["gres"])}
@@ -59,12 +59,12 @@ def prepare(run_dir: Path, start_timeout_s: float = DEFAULT_START_TIMEOUT_S, boo
                "bootstrap": mode, "bootstrap_why": why,
                "head": {"name": head["name"], "addr": head["addr"], "ports": {"start": ports.start, "gcs": ports.gcs}},
                "address": f"{head['addr']}:{ports.gcs}", "nodes": nodes}
-    atomic_write_text(ray_dir / "cluster.json", json.dumps(cluster, indent=1))
+    atomic_write_text(paths.ray_cluster, json.dumps(cluster, indent=1))
     return cluster
 
 
 def read_cluster(run_dir: Path) -> dict:
-    return json.loads((Path(run_dir) / "ray" / "cluster.json").read_text())
+    return json.loads(RunDir(run_dir).ray_cluster.read_text())
 
 
 def _use_env(run_dir: Path) -> None:
@@ -106,7 +106,7 @@ def connect(run_dir: str | Path, **init_kwargs):
 
 
 def _failures(run_dir: Path) -> str | None:
-    failed = sorted((run_dir / "ray" / "failed").glob("*"))
+    failed = sorted(RunDir(run_dir).ray_failed.glob("*"))
     if not failed:
         return None
     return "; ".join(f"{f.name}: {f.read_text()}" for f in failed)
@@ -124,7 +124,7 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
 
     def missing_error(why: str) -> RuntimeError:
         missing = sorted(expected - joined)
-        logs = ", ".join(str(run_dir / "logs" / "ray" / f"{m}.log") for m in missing)
+        logs = ", ".join(str(RunDir(run_dir).ray_logs / f"{m}.log") for m in missing)
         return RuntimeError(f"Ray cluster of job {cluster['job_id']} not ready: {why}. "
                             f"Missing nodes: {', '.join(missing)}. Their logs: {logs}")
 
@@ -138,7 +138,7 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
             time.sleep(poll_s)
         return time.monotonic() - t0
 
-    ready = run_dir / "ray" / f"ready.{cluster['run_id']}"
+    ready = RunDir(run_dir).ray_ready(cluster["run_id"])
     if cluster.get("bootstrap") == "mpi":      # the node step's rank 0 writes it after the MPI barrier
         return until(ready.exists, f"no MPI rendezvous within {timeout_s:.0f}s", 0.01)
     try:
@@ -168,17 +168,17 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
 
 def request_stop(run_dir: Path) -> None:
     cluster = read_cluster(run_dir)
-    (Path(run_dir) / "ray" / f"stop.{cluster['run_id']}").touch()
+    RunDir(run_dir).ray_stop(cluster["run_id"]).touch()
 
 
 def start_local(roles: list[str], run_dir: Path | None = None, num_cpus: int | None = None, **init_kwargs):
     """One local Ray node advertising every role, as a Slurm node advertises its own."""
     if run_dir is not None:
-        ray_dir = Path(run_dir) / "ray"
-        ray_dir.mkdir(parents=True, exist_ok=True)
-        if not (ray_dir / "token").exists():
-            _write_token(ray_dir / "token")
-        _use_env(Path(run_dir))
+        paths = RunDir(run_dir)
+        paths.ray.mkdir(parents=True, exist_ok=True)
+        if not paths.ray_token.exists():
+            _write_token(paths.ray_token)
+        _use_env(paths.root)
     import ray
 
     return ray.init(address="local", num_cpus=num_cpus, resources=json.loads(node_resources(roles)),

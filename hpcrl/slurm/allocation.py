@@ -16,9 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-from hpcrl.slurm.cluster import parse_records, slurm_cmd
+from hpcrl.files import atomic_write_text
+from hpcrl.run_dir import RunDir
+from hpcrl.slurm.cluster_info import parse_records, slurm_cmd
 from hpcrl.slurm.job import parse_mem_mb
-from hpcrl.util import atomic_write_text
 
 
 def node_name() -> str:
@@ -57,7 +58,7 @@ def from_job(job_id: str, members: list[list[str]]) -> dict:
 
 
 def read_allocation(run_dir: str | Path) -> dict:
-    return json.loads((Path(run_dir) / "allocation.json").read_text())
+    return json.loads(RunDir(run_dir).allocation.read_text())
 
 
 def main(argv: list[str]) -> int:
@@ -65,9 +66,9 @@ def main(argv: list[str]) -> int:
         print("usage: python -m hpcrl.slurm.allocation RUN_DIR MEMBERS_OF_COMPONENT_0 [MEMBERS_OF_1 ...]\n"
               "       (members comma-separated; run inside the batch script)", file=sys.stderr)
         return 2
-    run_dir = Path(argv[0])
+    run_dir = RunDir(argv[0])
     alloc = from_job(os.environ["SLURM_JOB_ID"], [a.split(",") for a in argv[1:]])
-    atomic_write_text(run_dir / "allocation.json", json.dumps(alloc, indent=1))
+    atomic_write_text(run_dir.allocation, json.dumps(alloc, indent=1))
     for c in alloc["components"]:
         print(f"[hpcrl] component {c['index']} ({','.join(c['members'])}) on {c['partition']}: "
               + " ".join(f"{n['name']}@{n['addr']}" for n in c["nodes"]), flush=True)

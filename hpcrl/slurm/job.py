@@ -9,6 +9,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcrl.job_env import JobEnv
+
 _TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?$")
 _MEM = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<u>[KMGT]?)B?$", re.IGNORECASE)
 
@@ -116,13 +118,13 @@ class HetJob:
     run_dir: Path
     components: list[Component]
     requeue: bool = True
-    signal_lead_s: int = 120
+    signal_lead_s: int = JobEnv.signal_lead
     setup: list[str] = field(default_factory=list)
     python: str = "python3"
     env: dict[str, str] = field(default_factory=dict)  # exported at the top of the script
     driver: str = ""     # shell line run in component 0 once every node's Ray has joined
-    bootstrap: str = "poll"   # how the Ray nodes find each other: poll, mpi or auto (hpcrl.raycluster.rendezvous)
-    mpi: str = "pmix"         # srun --mpi plugin of an MPI bootstrap
+    bootstrap: str = JobEnv.bootstrap   # how the Ray nodes find each other: poll, mpi or auto (hpcrl.raycluster.rendezvous)
+    mpi: str = JobEnv.mpi         # srun --mpi plugin of an MPI bootstrap
     source_file: str = ""
 
     def members(self) -> dict[str, int]:

@@ -13,6 +13,8 @@ import os
 import subprocess
 import tempfile
 
+from hpcrl.job_env import JobEnv
+
 STEP_VARIABLES = ("SLURM_", "PMI_", "PMIX_")     # this step's; OMPI_MCA_* tuning passes on
 
 
@@ -38,7 +40,7 @@ def step_command(hosts: list[str], argv: list[str], plugin: str, env: dict) -> l
 def run_mpi_step(hosts: list[str], argv: list[str], plugin: str | None = None) -> str:
     """Run argv as len(hosts) MPI tasks, rank i on node hosts[i]; its output, or RuntimeError with it."""
     env = dict(os.environ)
-    plugin = plugin or env.get("HPCRL_MPI", "pmix")
+    plugin = plugin or JobEnv.read(env).mpi
     cmd = step_command(hosts, argv, plugin, env)
     clean = {k: v for k, v in env.items() if not k.startswith(STEP_VARIABLES) or k == "SLURM_CONF"}
     with tempfile.NamedTemporaryFile("w", prefix="hpcrl-hosts-", suffix=".txt") as hostfile:

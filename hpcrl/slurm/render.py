@@ -1,19 +1,21 @@
-"""HetJob -> a readable heterogeneous sbatch script, through `templates/hetjob.sbatch.j2`."""
+"""HetJob -> a readable heterogeneous sbatch script, through `templates/hetjob.sbatch.j2`.
+
+The checkout's templates/ folder is the package `hpcrl.templates` once installed (setup.cfg maps it),
+so a wheel carries its template and renders without the checkout."""
 from __future__ import annotations
 
-import os
 import shlex
-from pathlib import Path
 
 import jinja2
 
+from hpcrl._version import __version__
+from hpcrl.job_env import JobEnv
+from hpcrl.run_dir import RunDir
 from hpcrl.slurm.job import HetJob
-
-TEMPLATES = Path(os.environ.get("HPCRL_TEMPLATES", Path(__file__).resolve().parents[2] / "templates"))
 
 
 def _environment() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+    env = jinja2.Environment(loader=jinja2.PackageLoader("hpcrl.templates", ""), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     env.filters["q"] = lambda v: shlex.quote(str(v))
     return env
@@ -31,8 +33,7 @@ def render_hetjob(job: HetJob, payload: str | None = None, signal: str | None = 
     """The batch script. Once every node's Ray has joined it runs the job's driver (with signal
     forwarding and the requeue step) or, given instead, `payload` as it is; `signal` is the
     `--signal` value (default: USR1 to the batch shell `signal_lead` seconds before the time limit)."""
-    from hpcrl import __version__
-
     return _environment().get_template("hetjob.sbatch.j2").render(
-        job=job, version=__version__, table=component_table(job), payload=(payload or "").strip(), driver=job.driver.strip() if payload is None else "",
-        signal=signal or f"B:USR1@{job.signal_lead_s}")
+        job=job, version=__version__, table=component_table(job), payload=(payload or "").strip(),
+        driver=job.driver.strip() if payload is None else "", signal=signal or f"B:USR1@{job.signal_lead_s}",
+        paths=RunDir(job.run_dir), run_dir_var=JobEnv.var("run_dir"), deadline_var=JobEnv.var("deadline"))

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
-from hpcrl.slurm.cluster import SlurmCommandError, slurm_cmd
-from hpcrl.util import EXIT_REQUEUE
+from hpcrl.job_env import EXIT_REQUEUE, JobEnv
+from hpcrl.run_dir import RunDir
+from hpcrl.slurm.cluster_info import SlurmCommandError, slurm_cmd
 
 
 def job_end_time(job_id: str) -> float | None:
@@ -29,7 +29,7 @@ def job_end_time(job_id: str) -> float | None:
 
 def deadline() -> str:
     end = job_end_time(os.environ["SLURM_JOB_ID"])
-    return "" if end is None else f"{end - int(os.environ.get('HPCRL_SIGNAL_LEAD', '120')):.0f}"
+    return "" if end is None else f"{end - JobEnv.read().signal_lead:.0f}"
 
 
 def after(rc: int) -> int:
@@ -37,8 +37,9 @@ def after(rc: int) -> int:
     job = os.environ["SLURM_JOB_ID"]
     if rc != EXIT_REQUEUE:
         return rc
-    count, limit = int(os.environ.get("SLURM_RESTART_COUNT", "0")), int(os.environ.get("HPCRL_MAX_RESTARTS", "3"))
-    if os.environ.get("HPCRL_REQUEUE", "1") != "1":
+    env = JobEnv.read()
+    count, limit = int(os.environ.get("SLURM_RESTART_COUNT", "0")), env.max_restarts
+    if not env.requeue:
         print("[hpcrl] not requeued: requeue is off in the spec; the run stopped at its last checkpoint "
               "(continue it with hpcrl submit --resume)", flush=True)
         return 0
@@ -52,7 +53,7 @@ def after(rc: int) -> int:
         # a preempted job is requeued by Slurm itself (PreemptMode=REQUEUE); ours then comes too late
         print(f"[hpcrl] scontrol requeue {job} refused ({e}); Slurm requeues a preempted job itself", flush=True)
         return 0
-    stop = Path(os.environ.get("HPCRL_RUN_DIR", ".")) / "stop"
+    stop = RunDir(env.run_dir).stop
     since = f", {time.time() - stop.stat().st_mtime:.2f} s after Slurm's signal" if stop.exists() else ""
     print(f"[hpcrl] requeued job {job} after a checkpoint (restart {count + 1} of at most {limit}{since})", flush=True)
     return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,10 +18,11 @@ import yaml
 from submitit.core import utils as submitit_utils
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
-from hpcrl.slurm.cluster import ClusterInfo, SlurmCommandError, parse_records, slurm_cmd
+from hpcrl.files import atomic_write_text
+from hpcrl.run_dir import RunDir
+from hpcrl.slurm.cluster_info import SlurmCommandError, parse_records, slurm_cmd
 from hpcrl.slurm.job import HetJob
 from hpcrl.slurm.render import render_hetjob
-from hpcrl.util import atomic_write_text
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
             "DEADLINE", "PREEMPTED", "SPECIAL_EXIT"}
@@ -105,19 +105,20 @@ class JobHandle:
 
     def logs(self, role: str | None = None) -> str:
         """The Slurm output of the job, or the logs of one role (every file under logs/<role>/)."""
+        paths = RunDir(self.run_dir)
         if role is None:
-            files = sorted((self.run_dir / "logs").glob(f"slurm-{self.job_id}.out"))
+            files = sorted(paths.logs.glob(paths.slurm_log(self.job_id).name))
         else:
             if role not in self.members:
                 raise KeyError(f"no role {role!r} in this job (roles: {', '.join(self.members)})")
-            files = sorted((self.run_dir / "logs" / role).glob("*.log"))
+            files = sorted(paths.role_logs(role).glob("*.log"))
         return "".join(f.read_text(errors="replace") for f in files)
 
 
 # ------------------------------------------------------------------ run directory guard
 def _recorded_job(run_dir: Path) -> dict | None:
     try:
-        return json.loads((run_dir / "job.json").read_text())
+        return json.loads(RunDir(run_dir).job.read_text())
     except (OSError, ValueError):
         return None
 
@@ -134,25 +135,30 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
             raise SubmitError(f"{run_dir} belongs to job {rec['job_id']}, which is still "
                               f"{sorted(set(states.values()))}: wait for it, `scancel {rec['job_id']}`, "
                               "or choose another --run-dir")
-    earlier = rec is not None or (run_dir / "ckpt").exists()
+    earlier = rec is not None or RunDir(run_dir).ckpt.exists()
     if earlier and not resume:
         raise SubmitError(f"{run_dir} holds an earlier run (job.json or ckpt/): pass --resume to continue it, "
                           "or choose another --run-dir; nothing there is overwritten")
 
 
-def prepare_run_dir(job: HetJob, spec_data: dict | None, script: str) -> Path:
-    run_dir = job.run_dir
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+def write_spec(run_dir: Path, spec_data: dict | None) -> None:
+    """The run directory with its logs folder and, given, the spec the job's steps read back."""
+    paths = RunDir(run_dir)
+    paths.logs.mkdir(parents=True, exist_ok=True)
     if spec_data is not None:
-        atomic_write_text(run_dir / "spec.yaml", yaml.safe_dump(spec_data, sort_keys=False))
-    script_path = run_dir / "job.sbatch"
+        atomic_write_text(paths.spec, yaml.safe_dump(spec_data, sort_keys=False))
+
+
+def prepare_run_dir(job: HetJob, spec_data: dict | None, script: str) -> Path:
+    write_spec(job.run_dir, spec_data)
+    script_path = RunDir(job.run_dir).script
     atomic_write_text(script_path, script)
     script_path.chmod(0o755)
     return script_path
 
 
 def record_job(job: HetJob, job_id: str, via: str) -> None:
-    atomic_write_text(job.run_dir / "job.json", json.dumps(
+    atomic_write_text(RunDir(job.run_dir).job, json.dumps(
         {"job_id": job_id, "via": via, "name": job.name, "submitted_at": time.time(),
          "members": job.members()}, indent=1))
 
@@ -178,7 +184,7 @@ class HetjobExecutor(submitit.SlurmExecutor):
     job_class = HetjobSubmititJob
 
     def __init__(self, job: HetJob, folder: str | Path | None = None, max_num_timeout: int = 3):
-        super().__init__(folder or job.run_dir / "submitit", max_num_timeout=max_num_timeout,
+        super().__init__(folder or RunDir(job.run_dir).submitit, max_num_timeout=max_num_timeout,
                          python=job.python)
         self.hetjob = job
         # submitit tells a timeout from a preemption by the job's time limit
@@ -207,27 +213,20 @@ class HetjobExecutor(submitit.SlurmExecutor):
 
 
 # ------------------------------------------------------------------ entry point
-def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, check_cluster: bool = True,
-                  spec_data: dict | None = None, fn: Callable | None = None, args: tuple = (),
-                  dry_run: bool = False) -> JobHandle | str:
-    """Validate against the live cluster, write the run directory, submit. With dry_run, return the
-    script instead of submitting. Nothing is written or submitted when a check fails."""
-    if via not in ("sbatch", "submitit"):
+VIAS = ("sbatch", "submitit")
+
+
+def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, spec_data: dict | None = None,
+                  fn: Callable | None = None, args: tuple = ()) -> JobHandle:
+    """Write the run directory and submit (the job's checks are the caller's: hpcrl.job.checks).
+    The run directory is refused, untouched, when it holds a live job or, without resume, an earlier run."""
+    if via not in VIAS:
         raise SubmitError(f"via must be 'sbatch' or 'submitit', got {via!r}")
-    if check_cluster:
-        problems = ClusterInfo.live().check(job)
-        if problems:
-            from hpcrl.spec import SpecError
-            raise SpecError(problems, job.source_file or job.name)
-    if dry_run:
-        return render_hetjob(job)
     check_run_dir(job.run_dir, resume)
     if via == "submitit":
         from hpcrl.slurm.allocation import read_allocation
 
-        if spec_data is not None:
-            (job.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            atomic_write_text(job.run_dir / "spec.yaml", yaml.safe_dump(spec_data, sort_keys=False))
+        write_spec(job.run_dir, spec_data)
         sjob = HetjobExecutor(job).submit(fn or read_allocation, *(args if fn else (str(job.run_dir),)))
         record_job(job, sjob.job_id, via)
         return JobHandle(sjob.job_id, job.run_dir, job.members(), submitit_job=sjob)
@@ -239,9 +238,3 @@ def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, che
     job_id = out.strip().split(";")[0]
     record_job(job, job_id, via)
     return JobHandle(job_id, job.run_dir, job.members())
-
-
-def submit(spec, via: str = "sbatch", **kw) -> JobHandle:
-    """Submit a JobSpec (see `hpcrl.load_spec`) as one heterogeneous job; returns its JobHandle."""
-    job = spec.to_hetjob(python=shlex.quote(sys.executable))
-    return submit_hetjob(job, via, spec_data=spec.as_data(), **kw)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpcrl.engines.train_torch import OptimConfig
+from hpcrl.engines.train.torch_trainer import OptimConfig
 
 
 def pg_loss(out, mb, total_tokens, total_seqs):
@@ -28,11 +28,11 @@ def probe(rank: int, world: int, engine: str, tp: int, model_dir: str, batch_fil
     shard = batch.chunk(world)[rank]          # what DP_COMPUTE hands each rank
     cfg = OptimConfig(lr=1e-4, micro_batch_size=4, grad_clip=1e9)
     if engine == "megatron":
-        from hpcrl.engines.megatron import MegatronEngine
+        from hpcrl.engines.train.megatron import MegatronEngine
 
         eng = MegatronEngine(model_dir, "log_probs", cfg, tensor_parallel=tp)
     else:
-        from hpcrl.engines.train_torch import TorchTrainer
+        from hpcrl.engines.train.torch_trainer import TorchTrainer
         from hpcrl.models import load_causal_lm, log_probs_head
 
         eng = TorchTrainer(load_causal_lm(model_dir), cfg, log_probs_head(1.0, True), f"cuda:{rank}", "bf16")
@@ -41,8 +41,8 @@ def probe(rank: int, world: int, engine: str, tp: int, model_dir: str, batch_fil
     result["stats"] = [eng.train_step(shard, pg_loss) for _ in range(steps)]
     result["logp1"] = eng.infer(shard, 4)["log_probs"]
     if engine == "megatron":      # checkpoint state through hpcrl's HDF5 file, into a fresh engine
-        from hpcrl.checkpoint import read_role_file, write_role_file
-        from hpcrl.engines.megatron import MegatronEngine
+        from hpcrl.checkpoint.format import read_role_file, write_role_file
+        from hpcrl.engines.train.megatron import MegatronEngine
 
         state = eng.state_dict()
         path = Path(out_dir) / "megatron.h5"

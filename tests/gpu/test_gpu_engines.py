@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def batch():
     """8 left-padded prompts with 32-token responses and fixed advantages."""
-    from hpcrl.protocol import Batch
+    from hpcrl.controller.batch import Batch
 
     g = torch.Generator().manual_seed(3)
     prompt_mask = torch.ones(8, 48, dtype=torch.long)
@@ -84,11 +84,11 @@ def test_megatron_log_probs_equal_hf_and_checkpoints_resume(model_dir, batch, tm
 
 def test_static_cache_rollout_log_probs_equal_the_training_forward(model_dir):
     """The CUDA-graph sampler (bf16 weights) against the torch engine's forward (bf16 autocast)."""
-    from hpcrl.engines.rollout_static import StaticCacheRollout
-    from hpcrl.engines.rollout_torch import SamplingParams
-    from hpcrl.engines.train_torch import OptimConfig, TorchTrainer
+    from hpcrl.controller.batch import Batch
+    from hpcrl.engines.base import SamplingParams
+    from hpcrl.engines.rollout.static_cache import StaticCacheRollout
+    from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer
     from hpcrl.models import load_causal_lm, log_probs_head
-    from hpcrl.protocol import Batch
 
     trainer = TorchTrainer(load_causal_lm(model_dir), OptimConfig(), log_probs_head(1.0, True), "cuda", "bf16")
     engine = StaticCacheRollout(trainer.module.config, 0, [2], "cuda")

@@ -1,0 +1,96 @@
+"""`CheckpointStore`: per-role files per step, committed by a manifest.
+
+    RUN_DIR/ckpt/step_00000120/actor_rollout.h5   one file per role, written by the role itself
+    RUN_DIR/ckpt/step_00000120/critic.h5
+    RUN_DIR/ckpt/step_00000120/MANIFEST.json      written last by the driver: the step counts only now
+    RUN_DIR/ckpt/LATEST                           "step_00000120", updated after the manifest
+
+Every file is written under a temporary name, fsynced and renamed (role files: hpcrl/checkpoint/
+format.py), so a crash at any moment leaves the previous committed step intact; `verify` checks a
+step's files and checksums and `latest_good` walks back past a damaged one. Frozen roles are
+written once; later manifests point to that file.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from hpcrl.checkpoint.format import FORMAT_VERSION, verify_role_file
+from hpcrl.files import atomic_write_text
+from hpcrl.run_dir import RunDir
+
+log = logging.getLogger("hpcrl.checkpoint")
+
+
+class CheckpointStore:
+    def __init__(self, run_dir: Path, keep_last: int = 3, keep_every: int = 0):
+        self.root = RunDir(run_dir).ckpt
+        self.keep_last, self.keep_every = keep_last, keep_every
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"step_{step:08d}"
+
+    def role_path(self, step: int, role: str) -> Path:
+        return self.step_dir(step) / f"{role}.h5"
+
+    def commit(self, step: int, files: dict[str, dict], driver_state: dict) -> Path:
+        """The step exists from here on. files: role -> {"path" (relative to ckpt/), "bytes", ...}."""
+        manifest = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(), "roles": files,
+                    "driver": driver_state}
+        path = self.step_dir(step) / "MANIFEST.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(manifest, indent=1))
+        atomic_write_text(self.root / "LATEST", path.parent.name + "\n")
+        self.prune()
+        return path
+
+    def committed_steps(self) -> list[int]:
+        return sorted(int(d.name.removeprefix("step_")) for d in self.root.glob("step_*")
+                      if (d / "MANIFEST.json").exists())
+
+    def manifest(self, step: int) -> dict:
+        return json.loads((self.step_dir(step) / "MANIFEST.json").read_text())
+
+    def verify(self, step: int) -> list[str]:
+        """What is wrong with a step (empty: good): manifest, every role file and its checksums."""
+        try:
+            m = self.manifest(step)
+        except (OSError, ValueError) as e:
+            return [f"step {step}: manifest unreadable ({e})"]
+        problems = []
+        for role, info in m["roles"].items():
+            path = self.root / info["path"]
+            if path.exists() and path.stat().st_size != info["bytes"]:
+                problems.append(f"{info['path']}: {path.stat().st_size} bytes, the manifest says {info['bytes']}")
+                continue
+            problem = verify_role_file(path)
+            if problem:
+                problems.append(f"{role}: {problem}")
+        return problems
+
+    def latest_good(self) -> tuple[int, dict] | None:
+        """The newest step that verifies, warning about each newer one that does not."""
+        for step in reversed(self.committed_steps()):
+            problems = self.verify(step)
+            if not problems:
+                return step, self.manifest(step)
+            log.warning("checkpoint step %d is unusable (%s); trying an older one", step, "; ".join(problems))
+        return None
+
+    def prune(self) -> None:
+        """Keep the newest keep_last steps, every keep_every-th step, and every file a kept manifest
+        uses (a frozen role's file stays where it was first written)."""
+        steps = self.committed_steps()
+        keep = set(steps[-self.keep_last:]) if self.keep_last else set(steps)
+        keep |= {s for s in steps if self.keep_every and s % self.keep_every == 0}
+        used = {self.root / info["path"] for s in keep for info in self.manifest(s)["roles"].values()}
+        for s in set(steps) - keep:
+            d = self.step_dir(s)
+            (d / "MANIFEST.json").unlink()
+            for f in d.iterdir():
+                if f not in used:
+                    f.unlink()
+            if not any(d.iterdir()):
+                d.rmdir()

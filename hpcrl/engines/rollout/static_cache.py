@@ -1,0 +1,174 @@
+"""Rollout for Llama/Qwen2-shaped models with a preallocated KV cache; on CUDA each decode step is
+one CUDA-graph replay.
+
+Sampling one token for 64 sequences of a 0.5B model is a few hundred small kernels. Launched one by
+one from Python (HF `generate`) the GPU waits on the host; here the step's kernels are captured
+once into a graph and replayed, the cache has a fixed shape so the graph stays valid, and the host
+looks at the device only every `check_every` tokens (to stop when every row has stopped).
+
+The engine holds its own copy of the weights in the sampling dtype (bf16 on GPU), fused per layer
+([q|k|v], [gate|up]); `load_weights` copies new ones into the same storage, so captured graphs
+stay valid across updates. On CPU the same code runs eagerly (the tests compare it with HF there).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hpcrl.engines.base import SamplingParams
+from hpcrl.engines.rollout.torch_rollout import sample_loop
+from hpcrl.models.shape import Shape, rope_theta
+
+SUPPORTED = ("llama", "qwen2")
+
+
+class StaticCacheRollout:
+    shares_module = False
+
+    def __init__(self, config, pad_id: int, eos_ids: list[int], device: torch.device | str,
+                 dtype: torch.dtype | None = None, check_every: int = 32):
+        if config.model_type not in SUPPORTED:
+            raise ValueError(f"StaticCacheRollout supports {SUPPORTED}, not {config.model_type!r}")
+        self.s = Shape.of(config)
+        self.eps = config.rms_norm_eps
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.pad_id, self.eos_ids, self.check_every = pad_id, list(eos_ids), check_every
+        d = self.s.head_dim
+        inv_freq = 1.0 / rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        angles = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        self.cos = angles.cos().float().to(self.device)
+        self.sin = angles.sin().float().to(self.device)
+        self.w: dict | None = None
+        self.step_graphs: dict[tuple[int, int], tuple] = {}   # (batch, cache length) -> graph and its buffers
+
+    # --- weights
+    @torch.no_grad()
+    def load_weights(self, hf: dict[str, torch.Tensor]) -> None:
+        """HF-named parameters (any device and dtype); copied into this engine's own storage."""
+        p = next(x for x in ("model.", "") if f"{x}embed_tokens.weight" in hf)
+        cast = lambda t: t.detach().to(self.device, self.dtype)   # noqa: E731
+        new = {"embed": cast(hf[f"{p}embed_tokens.weight"]), "norm": cast(hf[f"{p}norm.weight"]),
+               "lm_head": cast(hf.get("lm_head.weight", hf[f"{p}embed_tokens.weight"])), "layers": []}
+        for i in range(self.s.layers):
+            h = f"{p}layers.{i}."
+            qkv = [hf[f"{h}self_attn.{n}_proj.weight"] for n in "qkv"]
+            bias = [hf[f"{h}self_attn.{n}_proj.bias"] for n in "qkv"] if self.s.qkv_bias else None
+            new["layers"].append({
+                "ln1": cast(hf[h + "input_layernorm.weight"]), "ln2": cast(hf[h + "post_attention_layernorm.weight"]),
+                "qkv": cast(torch.cat(qkv)), "qkv_bias": cast(torch.cat(bias)) if bias else None,
+                "o": cast(hf[h + "self_attn.o_proj.weight"]),
+                "gate_up": cast(torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]])),
+                "down": cast(hf[h + "mlp.down_proj.weight"])})
+        if self.w is None:
+            self.w = new
+            return
+        for old, fresh in zip(self._tensors(self.w), self._tensors(new)):
+            old.copy_(fresh)                      # in place: graphs captured on this storage stay valid
+
+    @staticmethod
+    def _tensors(w: dict):
+        yield from (w["embed"], w["norm"], w["lm_head"])
+        for layer in w["layers"]:
+            yield from (t for t in layer.values() if t is not None)
+
+    def sleep(self) -> None:
+        """Keeps its weights and graphs: they are what makes the next step fast."""
+
+    # --- the model
+    def _rms(self, x, w):
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _rope(self, x, cos, sin):           # x (B, heads, T, D); cos/sin (B, 1, T, D)
+        x1, x2 = x.chunk(2, dim=-1)
+        return (x.float() * cos + torch.cat([-x2, x1], dim=-1).float() * sin).to(x.dtype)
+
+    def _forward(self, ids, pos, slots, cache, keys: int, mask) -> torch.Tensor:
+        """Logits of the last position. ids/pos (B, T); slots (T,) cache columns written; attention over
+        the first `keys` columns where mask (B, 1, T, keys) is True."""
+        s, (b, t) = self.s, ids.shape
+        x = F.embedding(ids, self.w["embed"])
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        for layer, (kc, vc) in zip(self.w["layers"], cache):
+            h = self._rms(x, layer["ln1"])
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], dim=-1)
+            q = self._rope(q.view(b, t, s.heads, s.head_dim).transpose(1, 2), cos, sin)
+            k = self._rope(k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
+            kc.index_copy_(2, slots, k)
+            vc.index_copy_(2, slots, v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2))
+            o = F.scaled_dot_product_attention(q, kc[:, :, :keys], vc[:, :, :keys], attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), layer["o"])
+            g, u = F.linear(self._rms(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(g) * u, layer["down"])
+        return F.linear(self._rms(x[:, -1], self.w["norm"]), self.w["lm_head"]).float()
+
+    def _buffers(self, b: int, length: int):
+        """The decode step for (b, length), with its static inputs; captured as a graph on CUDA."""
+        key = (b, length)
+        if key in self.step_graphs:
+            return self.step_graphs[key]
+        self.step_graphs.clear()     # one shape at a time: the cache is the big allocation
+        s, dev = self.s, self.device
+        cache = [tuple(torch.zeros(b, s.kv_heads, length, s.head_dim, device=dev, dtype=self.dtype) for _ in "kv")
+                 for _ in range(s.layers)]
+        buf = {"tok": torch.zeros(b, 1, dtype=torch.long, device=dev), "pos": torch.zeros(b, 1, dtype=torch.long, device=dev),
+               "slot": torch.zeros(1, dtype=torch.long, device=dev), "valid": torch.zeros(b, length, dtype=torch.bool, device=dev),
+               "cache": cache}
+
+        def step():
+            buf["valid"].index_fill_(1, buf["slot"], True)
+            return self._forward(buf["tok"], buf["pos"], buf["slot"], cache, length, buf["valid"][:, None, None, :])
+
+        graph = None
+        if dev.type == "cuda":
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):          # warm-up: cuBLAS handles and workspaces exist before capture
+                    step()
+            torch.cuda.current_stream().wait_stream(side)
+            buf["valid"].zero_()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                buf["logits"] = step()
+        self.step_graphs[key] = (graph, step, buf)
+        return self.step_graphs[key]
+
+    # --- sampling
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                 seed: int) -> dict[str, torch.Tensor]:
+        """Same layout as TorchRollout.generate; rows are drawn by one generator seeded with `seed`."""
+        if self.w is None:
+            raise RuntimeError("StaticCacheRollout.generate before load_weights")
+        dev = self.device
+        b, p = prompt_ids.shape
+        length = p + params.max_new_tokens
+        graph, step, buf = self._buffers(b, length)
+        ids, mask = prompt_ids.to(dev), prompt_mask.to(dev).bool()
+        pos = (mask.long().cumsum(1) - 1).clamp_min(0)
+        # prompt: causal over real tokens; a pad query sees itself only (never an empty row)
+        causal = torch.ones(p, p, dtype=torch.bool, device=dev).tril()
+        attend = (causal & mask[:, None, :]) | torch.eye(p, dtype=torch.bool, device=dev)
+        buf["valid"].zero_()
+        buf["valid"][:, :p] = mask
+        logits = self._forward(ids, pos, torch.arange(p, device=dev), buf["cache"], p, attend[:, None])
+        buf["pos"].copy_(mask.long().sum(1, keepdim=True))
+        buf["slot"].fill_(p)
+
+        def advance(tok):
+            buf["tok"].copy_(tok[:, None])
+            if graph is not None:
+                graph.replay()
+                out = buf["logits"]
+            else:
+                out = step()
+            buf["pos"] += 1
+            buf["slot"] += 1
+            return out
+
+        return sample_loop(logits, advance, params, torch.Generator(dev).manual_seed(seed), self.pad_id, self.eos_ids,
+                           self.check_every)

@@ -1,0 +1,107 @@
+"""Rollout in plain torch: batched sampling with a KV cache."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from hpcrl.algo import truncate_at_eos
+from hpcrl.engines.base import SamplingParams
+from hpcrl.models.causal_lm import position_ids
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Keep the top_k largest, then the smallest set whose probability reaches top_p; the rest −inf."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop_sorted = cum - torch.softmax(sorted_logits, dim=-1) >= top_p   # mass before this token already enough
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+    """One token per row from the processed distribution, and its log-probability under it."""
+    probs = torch.softmax(filter_logits(logits.float() / params.temperature, params.top_k, params.top_p), dim=-1)
+    tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    return tok, torch.log(probs.gather(1, tok[:, None]).squeeze(1).clamp_min(1e-30))
+
+
+def sample_loop(logits: torch.Tensor, advance, params: SamplingParams, generator: torch.Generator, pad_id: int,
+                eos_ids: list[int], check_every: int = 1) -> dict[str, torch.Tensor]:
+    """The sampling loop of every torch engine: one token per row from `logits`, pad after a row's
+    stop token, `advance(tokens)` -> the next logits; stops when every row has stopped (looked at
+    every `check_every` tokens: each look waits for the device)."""
+    eos = torch.tensor(eos_ids, device=logits.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, logps = [], []
+    for i in range(params.max_new_tokens):
+        tok, logp = sample_token(logits, params, generator)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        tokens.append(tok)
+        logps.append(logp)
+        done |= torch.isin(tok, eos)
+        if i == params.max_new_tokens - 1 or ((i + 1) % check_every == 0 and bool(done.all())):
+            break
+        logits = advance(tok)
+    return finish_responses(tokens, logps, params, pad_id, eos_ids)
+
+
+def finish_responses(tokens: list[torch.Tensor], logps: list[torch.Tensor], params: SamplingParams, pad_id: int,
+                     eos_ids: list[int]) -> dict[str, torch.Tensor]:
+    """Per-step tokens -> the (B, max_new_tokens) layout every engine returns, cut after the first stop."""
+    responses = torch.stack(tokens, dim=1).cpu()
+    pad = params.max_new_tokens - responses.shape[1]    # all stopped early: same width every call
+    responses = torch.nn.functional.pad(responses, (0, pad), value=pad_id)
+    logp = torch.nn.functional.pad(torch.stack(logps, dim=1).float().cpu(), (0, pad))
+    responses, response_mask, has_eos = truncate_at_eos(responses, eos_ids, pad_id)
+    return {"responses": responses, "response_mask": response_mask, "has_eos": has_eos,
+            "rollout_log_probs": logp * response_mask}
+
+
+class TorchRollout:
+    """Samples with the training module itself (any HF causal LM), through its own KV cache."""
+    shares_module = True     # nothing to load after an update: the trainer's module is the sampler's
+
+    def __init__(self, model, pad_id: int, eos_ids: list[int]):
+        self.model, self.pad_id, self.eos_ids = model, pad_id, list(eos_ids)
+        # transformers 5 renamed past_key_values to cache (in and out); 4.x has the old name
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _forward(self, cache, **inputs):
+        out = self.model(**inputs, **({self.cache_kw: cache} if cache is not None else {}), use_cache=True)
+        return out[self.cache_kw], out.logits[:, -1]
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """New parameters (HF names). Only needed when the module is not the trainer's own."""
+        self.model.load_state_dict(weights)
+
+    def sleep(self) -> None:
+        """Nothing to free: the module is the one the trainer holds."""
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                 seed: int) -> dict[str, torch.Tensor]:
+        """prompt_ids (B, P) left-padded. Returns responses (B, R) padded after the first stop token,
+        response_mask, has_eos and the sampler's log-probs (the training engine recomputes its own).
+        One generator seeded with `seed` draws every row."""
+        device = next(self.model.parameters()).device
+        generator = torch.Generator(device).manual_seed(seed)
+        self.model.eval()
+        b = prompt_ids.shape[0]
+        prompt_ids, mask = prompt_ids.to(device), prompt_mask.long().to(device)
+        state = {"mask": mask, "pos": mask.sum(dim=1, keepdim=True)}
+        state["cache"], logits = self._forward(None, input_ids=prompt_ids, attention_mask=mask, position_ids=position_ids(mask))
+
+        def advance(tok):
+            state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(b, 1)], dim=1)
+            state["cache"], next_logits = self._forward(state["cache"], input_ids=tok[:, None],
+                                                        attention_mask=state["mask"], position_ids=state["pos"])
+            state["pos"] = state["pos"] + 1
+            return next_logits
+
+        return sample_loop(logits, advance, params, generator, self.pad_id, self.eos_ids)

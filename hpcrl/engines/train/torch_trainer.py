@@ -1,0 +1,185 @@
+"""Training in plain torch (a TrainEngine): micro-batches with gradient accumulation, clipping, AdamW, warm-up LR,
+and data parallelism within a role: DDP on CPU (gloo), FSDP2 (`fully_shard`, one unit per decoder
+layer) on GPUs. On a GPU the forward runs under bf16 autocast (master weights and optimizer state
+stay fp32) with PyTorch's SDPA attention, and AdamW is the fused kernel.
+
+The engine is told what the role computes (`forward(module, micro_batch) -> {name: per-token
+tensor}`, e.g. response log-probs or values) and trains on a loss of those outputs, so roles never
+touch the module, its device or its wrapper.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hpcrl.controller.batch import Batch
+
+Forward = Callable[[torch.nn.Module, Batch], dict]
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0          # optimizer steps of linear warm-up from 0, then constant
+    grad_clip: float = 1.0
+    micro_batch_size: int = 16
+
+
+def lr_factor(cfg: OptimConfig):
+    def factor(step: int) -> float:
+        return (step + 1) / cfg.warmup_steps if step < cfg.warmup_steps else 1.0
+    return factor
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """precision "auto": bf16 on a GPU, fp32 on CPU."""
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision: {precision!r} is not auto, bf16 or fp32")
+    return precision == "bf16" or (precision == "auto" and device.type == "cuda")
+
+
+def all_sum(x: float, device: torch.device, group=None) -> float:
+    """Sum over the ranks of `group` (default: the role's; a no-op alone)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+def equal_micro_batches(batch: Batch, size: int, device: torch.device) -> list[Batch]:
+    """Micro-batches of at most `size`, the same number on every rank (sharded models run collectives
+    in each forward, so every rank must run as many)."""
+    n = max(1, -(-len(batch) // size))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([n], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        n = int(t.item())
+    return batch.chunk(n)
+
+
+class TorchTrainer:
+    """loss_fn(out, micro_batch, total_tokens, total_seqs) -> (loss, stats): the loss of the micro-batch
+    as its share of the whole mini-batch (the totals span every micro-batch and every rank), where
+    `out` is forward(module, micro_batch). cfg None: inference only (a frozen role)."""
+
+    def __init__(self, module: torch.nn.Module, cfg: OptimConfig | None, forward: Forward,
+                 device: torch.device | str = "cpu", precision: str = "auto"):
+        self.cfg, self.forward = cfg, forward
+        self.device = torch.device(device)
+        self.bf16 = use_bf16(precision, self.device)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.module = module.to(self.device)
+        self.sharded = self.world > 1 and self.device.type == "cuda" and cfg is not None
+        if self.sharded:
+            from torch.distributed.fsdp import fully_shard
+
+            for sub in module.modules():
+                if type(sub).__name__.endswith("DecoderLayer"):
+                    fully_shard(sub)
+            self.wrapped = fully_shard(module)
+        elif self.world > 1 and cfg is not None:
+            self.wrapped = torch.nn.parallel.DistributedDataParallel(module)
+        else:
+            self.wrapped = module
+        if cfg is None:
+            module.requires_grad_(False)
+            return
+        self.optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                           fused=self.device.type == "cuda")
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg))
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+    def _run(self, module: torch.nn.Module, mb: Batch) -> dict:
+        with self._autocast():
+            return self.forward(module, mb.to(self.device))
+
+    @torch.no_grad()
+    def infer(self, batch: Batch, micro_batch_size: int) -> Batch:
+        """forward over the batch in micro-batches, without gradients; float32 results on the CPU."""
+        self.module.eval()     # the bare module (DDP's forward would sync buffers; FSDP2's is this module)
+        micro = equal_micro_batches(batch, micro_batch_size, self.device) if self.sharded else batch.split(micro_batch_size)
+        outs = [self._run(self.module, mb) for mb in micro]
+        return Batch({k: torch.cat([o[k] for o in outs]).float().cpu() for k in outs[0]})
+
+    def train_step(self, batch: Batch, loss_fn: Callable, mask_key: str = "response_mask") -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch (every rank must hold the same
+        number of samples: pad with zero-mask samples)."""
+        self.wrapped.train()
+        mask = batch[mask_key]
+        total_tokens = all_sum(float(mask.sum()), self.device)
+        total_seqs = all_sum(float((mask.sum(dim=1) > 0).sum()), self.device)
+        micro = batch.split(self.cfg.micro_batch_size)
+        # Every value summed over micro-batches and ranks: the loss is already each piece's share of the
+        # mini-batch's; the stats (token means within a piece) are weighted by the piece's token share.
+        sums: dict[str, float] = {}
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            if self.sharded:
+                self.wrapped.set_requires_gradient_sync(last)
+            sync = nullcontext() if self.sharded or last or self.world == 1 else self.wrapped.no_sync()
+            with sync:
+                out = self._run(self.wrapped, mb)
+                loss, stats = loss_fn(out, mb.to(self.device), total_tokens, total_seqs)
+                (loss * self.world).backward()   # DP averages over ranks; undo it, the loss is a share of the total
+            share = float(mb[mask_key].sum()) / max(total_tokens, 1.0)
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        if torch.isfinite(grad_norm):   # a non-finite gradient skips the step rather than poisoning the weights
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        out = {k: all_sum(v, self.device) for k, v in sums.items()}
+        out.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        return out
+
+    @property
+    def state_replicated(self) -> bool:
+        """Every rank holds the whole state (DDP, one rank): any rank may write any part of it."""
+        return not self.sharded
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The module's parameters by HF name, whole on every rank (gathered when sharded)."""
+        if not self.sharded:
+            return self.module.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+
+    def state_dict(self) -> dict:
+        """Whole (gathered) parameters and optimizer state on the CPU, the same for any world size."""
+        if self.cfg is None:
+            return {"model": self.module.state_dict()}
+        if not self.sharded:
+            return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model, optim = get_state_dict(self.module, self.optimizer,
+                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {"model": model, "optimizer": optim, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+        else:
+            self.module.load_state_dict(state["model"])
+            if self.cfg is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+        if self.cfg is not None:
+            self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,200 @@
+"""The job spec: one YAML file that maps each RL role to the hardware that suits it.
+
+    name: tiny-ppo
+    run_dir: runs/tiny-ppo          # shared filesystem; relative paths are taken from the cwd
+    roles:
+      actor_rollout: {partition: a100, nodes: 1, gpus_per_node: 1, gpu_type: a100, mem: 4G, time: "00:30:00"}
+      critic:        {partition: h100, nodes: 1, gpus_per_node: 1, gpu_type: h100, mem: 4G}
+      ref:           {partition: cpu, mem: 4G}
+      reward:        {same_nodes_as: ref}   # shares ref's hetjob component
+    train: {...}                    # the training settings: hpcrl/ppo/config.py checks them
+
+Every role either declares resources (and becomes one hetjob component) or names another role
+with `same_nodes_as` (and joins that role's component). Nothing here talks to Slurm. Reading a
+spec (YAML, every problem at once) is hpcrl/job/load.py; the checks that span fields, and those
+against the live cluster and the job's interpreter, are hpcrl/job/checks.py.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from hpcrl.job_env import JobEnv
+from hpcrl.slurm.job import Component, Gres, HetJob, parse_mem_mb, parse_time_minutes
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class SpecError(ValueError):
+    """Every problem of a spec at once; each line is `field.path: what is wrong (fix)`."""
+
+    def __init__(self, problems: list[str], source: str = "spec"):
+        self.problems = problems
+        self.source = source
+        super().__init__(f"{source}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class RoleSpec(BaseModel):
+    """Where one role runs: the resources of its hetjob component, per node."""
+    model_config = ConfigDict(extra="forbid")
+
+    same_nodes_as: str | None = None
+    """Put this role in the named role's component instead of one of its own (no resource fields then)."""
+    partition: str | None = None
+    """Slurm partition of this role's component."""
+    nodes: int = Field(1, ge=1)
+    """Number of nodes."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs per node (rendered as `--gres=gpu[:type]:N`)."""
+    gpu_type: str | None = None
+    """GPU type as the cluster's GRES names it (`a100`, `h100`); None takes any."""
+    gres: str | None = None
+    """A raw GRES per node instead of gpus_per_node/gpu_type, e.g. `gpu:a100:4`."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPUs of the one task per node (the node's Ray worker and everything it runs)."""
+    mem: str | None = None
+    """Memory per node in Slurm syntax (`16G`); None takes the partition default."""
+    time: str | None = None
+    """Time limit in Slurm syntax (`HH:MM:SS`, `D-HH:MM:SS`); None takes the partition default."""
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool = False
+    sbatch_extra: list[str] = Field(default_factory=list)
+    """Extra `#SBATCH` flags for this component, e.g. `--reservation=rlhf`."""
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v):
+        if v is not None:
+            parse_time_minutes(v)
+        return v
+
+    @field_validator("mem")
+    @classmethod
+    def _mem(cls, v):
+        if v is not None:
+            parse_mem_mb(v)
+        return v
+
+    @field_validator("gres")
+    @classmethod
+    def _gres(cls, v):
+        if v is not None:
+            Gres.parse(v)
+        return v
+
+    @field_validator("sbatch_extra")
+    @classmethod
+    def _extra(cls, v):
+        bad = [f for f in v if not f.startswith("--")]
+        if bad:
+            raise ValueError(f"flags must be long options like --reservation=x; got {bad}")
+        return v
+
+    def gres_spec(self) -> Gres | None:
+        if self.gres:
+            return Gres.parse(self.gres)
+        return Gres("gpu", self.gpu_type, self.gpus_per_node) if self.gpus_per_node else None
+
+
+class MetricsSpec(BaseModel):
+    """Where the per-step metrics go besides RUN_DIR/metrics.jsonl."""
+    model_config = ConfigDict(extra="forbid")
+
+    tensorboard: bool = False
+    """Also write TensorBoard events to RUN_DIR/tensorboard/ (needs the tensorboard package)."""
+
+
+class JobSpec(BaseModel):
+    """A whole hpcrl job: name, run directory, requeue policy, roles and training settings."""
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    """Slurm job name."""
+    run_dir: Path
+    """Run directory on a filesystem every node sees: script, logs, checkpoints, metrics."""
+    roles: dict[str, RoleSpec]
+    """Role name -> where it runs. The first role with resources is component 0 (runs the driver)."""
+    requeue: bool = JobEnv.requeue
+    """Checkpoint and requeue on preemption or before the time limit."""
+    signal_lead: int = Field(JobEnv.signal_lead, ge=10)
+    """Seconds before the time limit when the job is told (USR1) to checkpoint. Slurm checks about
+    every 30 s, so keep this at 60 or more."""
+    max_restarts: int = Field(JobEnv.max_restarts, ge=0)
+    """Requeue at most this many times."""
+    ray_start_timeout: int = Field(int(JobEnv.ray_start_timeout), ge=5)
+    """Seconds for every node's Ray to join before the job fails, naming the missing nodes."""
+    bootstrap: Literal["poll", "mpi", "auto"] = JobEnv.bootstrap
+    """How the Ray nodes find each other: "poll" (each waits for the head's port, the script polls
+    Ray until all joined), "mpi" (one `srun --mpi` step: rank 0 broadcasts the head's address, an MPI
+    barrier marks all joined; needs mpi4py), "auto" (mpi where mpi4py loads and srun has the plugin)."""
+    mpi: Literal["pmix", "pmi2"] = JobEnv.mpi
+    """The srun --mpi plugin for bootstrap: mpi/auto (what the cluster's MPI was built for)."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines run before anything else in the batch script (module load, venv activation)."""
+    python: str | None = None
+    """Python interpreter on the compute nodes; None: the one running hpcrl (shared filesystem)."""
+    train: dict[str, Any] = Field(default_factory=dict)
+    """Training settings, read by the trainer."""
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec)
+    """metrics.tensorboard: true adds TensorBoard output."""
+    _source: str = PrivateAttr("")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        if not _NAME.match(v):
+            raise ValueError("use letters, digits, '_', '.', '-' (a Slurm job name without spaces)")
+        return v
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, v):
+        if not v:
+            raise ValueError("at least one role is needed")
+        bad = [r for r in v if not _NAME.match(r)]
+        if bad:
+            raise ValueError(f"role names {bad} must be letters, digits, '_', '.', '-'")
+        return v
+
+    def as_data(self) -> dict:
+        """The spec as written (fields given, resolved run_dir): what RUN_DIR/spec.yaml holds and
+        the driver reads back with load_spec."""
+        return {**self.model_dump(mode="json", exclude_unset=True), "run_dir": str(self.run_dir)}
+
+    def component_roles(self) -> list[list[str]]:
+        """Roles grouped by hetjob component, components in spec order."""
+        groups: dict[str, list[str]] = {}
+        for role, r in self.roles.items():
+            owner = role
+            while self.roles[owner].same_nodes_as is not None:
+                owner = self.roles[owner].same_nodes_as
+            groups.setdefault(owner, []).append(role)
+        return list(groups.values())
+
+    def job_env(self) -> JobEnv:
+        """What the batch script exports for the job's steps."""
+        return JobEnv(run_dir=str(self.run_dir), ray_start_timeout=self.ray_start_timeout, bootstrap=self.bootstrap,
+                      mpi=self.mpi, signal_lead=self.signal_lead, max_restarts=self.max_restarts,
+                      requeue=self.requeue)
+
+    def to_hetjob(self, python: str) -> HetJob:
+        comps = []
+        for members in self.component_roles():
+            r = self.roles[members[0]]
+            comps.append(Component(
+                partition=r.partition, nodes=r.nodes, gres=r.gres_spec(), cpus_per_task=r.cpus_per_task,
+                mem_mb=parse_mem_mb(r.mem) if r.mem else None,
+                time_min=parse_time_minutes(r.time) if r.time else None, account=r.account, qos=r.qos,
+                constraint=r.constraint, exclusive=r.exclusive, extra=list(r.sbatch_extra),
+                members=members, source=f"roles.{members[0]}"))
+        return HetJob(name=self.name, run_dir=self.run_dir, components=comps, requeue=self.requeue,
+                      signal_lead_s=self.signal_lead, setup=list(self.setup), python=self.python or python,
+                      bootstrap=self.bootstrap, mpi=self.mpi,
+                      env=self.job_env().exports(),
+                      driver=f'{self.python or python} -m hpcrl.launch "${JobEnv.var("run_dir")}"' if self.train else "",
+                      source_file=self._source)

@@ -1,0 +1,5 @@
+import sys
+
+from hpcrl.launch.driver import main
+
+sys.exit(main())

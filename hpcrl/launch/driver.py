@@ -1,0 +1,79 @@
+"""The one way to start the driver, whoever starts it: the batch script (`python -m hpcrl.launch
+RUN_DIR`, once the job's Ray cluster is up), submitit (hpcrl/launch/submitit.py), `hpcrl run --local`
+and the tests (`python -m hpcrl.launch RUN_DIR --local`).
+
+Every way reads RUN_DIR/spec.yaml (written at submission, or by `hpcrl run`), joins a Ray cluster
+whose nodes carry the spec's roles (the job's own, or one local node carrying them all), and runs
+the PPO driver (hpcrl/ppo/driver.py) until it finishes or stops at a committed checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hpcrl.job import SpecError, load_spec
+from hpcrl.job_env import EXIT_REQUEUE, JobEnv
+from hpcrl.run_dir import RunDir
+from hpcrl.stop import StopRequest
+
+
+def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = False,
+        num_cpus: int | None = None) -> tuple[list[dict], str | None]:
+    """Train the run's spec; returns (the metrics records of this start, why it stopped early or None)."""
+    import ray
+
+    from hpcrl.ppo.config import PPOConfig
+    from hpcrl.ppo.driver import train
+    from hpcrl.raycluster import connect, start_local
+
+    paths = RunDir(Path(run_dir).resolve())
+    spec = load_spec(paths.spec, run_dir=paths.root)
+    if not spec.train:
+        raise SpecError(["train: empty; there is nothing to run (hpcrl/ppo/config.py lists the settings)"],
+                        str(paths.spec))
+    cfg = PPOConfig.from_dict(spec.train)
+    if local:
+        start_local(list(spec.roles), run_dir=paths.root, num_cpus=num_cpus)
+    else:
+        connect(paths.root)
+    try:
+        return train(cfg, paths.root, stop=stop, tensorboard=spec.metrics.tensorboard)
+    finally:
+        ray.shutdown()
+
+
+def write_local_spec(run_dir: str | Path, train: dict, name: str = "local") -> Path:
+    """RUN_DIR/spec.yaml for a run of these training settings on one local Ray node (`python -m
+    hpcrl.launch RUN_DIR --local`): the roles they need, colocated ones in one component."""
+    from hpcrl.ppo.config import PPOConfig
+    from hpcrl.slurm.submit import write_spec
+
+    cfg = PPOConfig.from_dict(train)
+    roles: dict[str, dict] = {}
+    for group in cfg.colocate:
+        roles[group[0]] = {"partition": "local"}
+        roles.update({r: {"same_nodes_as": group[0]} for r in group[1:]})
+    for role in cfg.roles():
+        roles.setdefault(role, {"partition": "local"})
+    paths = RunDir(Path(run_dir).resolve())
+    write_spec(paths.root, {"name": name, "run_dir": str(paths.root), "roles": roles, "train": dict(train)})
+    return paths.spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exits 0 when training is done, EXIT_REQUEUE (3) when it stopped at a checkpoint to run again."""
+    from hpcrl.observe.metrics import read_metrics, reward_table
+
+    ap = argparse.ArgumentParser(prog="python -m hpcrl.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", type=Path, help="the run directory (its spec.yaml says what to run)")
+    ap.add_argument("--local", action="store_true", help="a fresh one-node Ray here, instead of the job's cluster")
+    ap.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray may use (default: all)")
+    args = ap.parse_args(argv)
+    paths = RunDir(args.run_dir)
+    stop = StopRequest(JobEnv.read().deadline, paths.stop)
+    stop.install()
+    _, reason = run(paths.root, stop, local=args.local, num_cpus=args.num_cpus)
+    if reason:
+        return EXIT_REQUEUE
+    print(f"metrics: {paths.metrics}\n{reward_table(read_metrics(paths.metrics))}", flush=True)
+    return 0

@@ -1,0 +1,104 @@
+"""A run's log files, one at a time or merged by time (`hpcrl logs`).
+
+    driver     logs/slurm-<job>.out: the batch script's [hpcrl] lines and the driver's dated lines
+               (one file per start of the job: a requeued job writes a new one)
+    <role>     logs/<role>/rank<k>.log: every line dated, with [role rankK]
+    ray        logs/ray/<node>.log: each node's `ray start`
+
+Merging uses the date that starts a line; a line without one (a traceback, a script line) keeps
+the date of the line before it in its file.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from hpcrl.run_dir import RunDir
+
+_DATE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:[.,](\d{3}))?")
+
+
+@dataclass(frozen=True)
+class LogFile:
+    source: str          # "driver", "actor_rollout/rank0", "ray/a100n1"
+    path: Path
+
+
+def log_files(run_dir: Path, which: str | None = None, rank: int | None = None) -> list[LogFile]:
+    """The files of one source ("driver", "ray" or a role), or of all of them (which=None)."""
+    paths = RunDir(run_dir)
+    logs = paths.logs
+    roles = sorted(p.name for p in logs.iterdir() if p.is_dir() and p != paths.ray_logs) if logs.is_dir() else []
+    if which not in (None, "driver", "ray", *roles):
+        raise ValueError(f"no logs for {which!r} in {logs}; there are: driver, ray" + "".join(f", {r}" for r in roles))
+    files = []
+    if which in (None, "driver"):
+        files += [LogFile("driver", p) for p in sorted(logs.glob(paths.slurm_log().name), key=_job_number)]
+    if which in (None, "ray"):
+        files += [LogFile(f"ray/{p.stem}", p) for p in sorted(paths.ray_logs.glob("*.log"))]
+    for role in roles if which is None else [which] if which in roles else []:
+        for p in sorted(paths.role_logs(role).glob("rank*.log"), key=lambda p: int(p.stem[4:])):
+            if rank is None or p.stem == f"rank{rank}":
+                files.append(LogFile(f"{role}/{p.stem}", p))
+    if rank is not None and not any("/rank" in f.source for f in files):
+        raise ValueError(f"no rank{rank}.log for {which or 'any role'} in {logs}")
+    return files
+
+
+def _job_number(path: Path) -> int:
+    digits = re.findall(r"\d+", path.stem)
+    return int(digits[-1]) if digits else 0
+
+
+def line_time(line: str) -> float | None:
+    m = _DATE.match(line)
+    if not m:
+        return None
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() + int(m.group(2) or 0) / 1000
+
+
+def _dated(f: LogFile, lines: list[str]):
+    t = 0.0
+    for line in lines:
+        t = line_time(line) or t
+        yield t, f.source, line
+
+
+def merged_lines(files: list[LogFile]) -> list[str]:
+    """Every line of every file, ordered by time (stable within a file), prefixed with its source."""
+    width = max((len(f.source) for f in files), default=0)
+    dated = [x for f in files for x in _dated(f, f.path.read_text(errors="replace").splitlines())]
+    return [f"{src:<{width}}  {line}" for _, src, line in sorted(dated, key=lambda x: x[0])]
+
+
+def follow(run_dir: Path, which: str | None, rank: int | None, poll_s: float = 0.5, out=sys.stdout,
+           until=lambda: False) -> None:
+    """What is there now, then each new line as it is written (new files too: a rebuilt rank, a
+    requeued job's new output), until `until()` is true or Ctrl-C."""
+    offsets: dict[Path, int] = {}
+    width = 0
+    try:
+        while True:
+            files = log_files(run_dir, which, rank)
+            width = max([width, *(len(f.source) for f in files)])
+            for f in files:
+                size = f.path.stat().st_size
+                start = offsets.get(f.path, 0)
+                if size > start:
+                    with open(f.path, errors="replace") as fh:
+                        fh.seek(start)
+                        chunk = fh.read()
+                    done = chunk.rfind("\n") + 1     # a line still being written waits for its end
+                    offsets[f.path] = start + done
+                    for line in chunk[:done].splitlines():
+                        out.write(f"{f.source:<{width}}  {line}\n")
+            out.flush()
+            if until():
+                return
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,97 @@
+"""What `hpcrl status` shows of a run, from Slurm and the run directory's files only: no Ray
+connection from the login node."""
+from __future__ import annotations
+
+import json
+import time
+
+from hpcrl.checkpoint.store import CheckpointStore
+from hpcrl.observe.status import read_status
+from hpcrl.run_dir import RunDir
+from hpcrl.slurm.cluster_info import SlurmCommandError
+from hpcrl.slurm.submit import SubmitError, component_states
+
+
+def gather_status(run_dir) -> dict:
+    """Everything `hpcrl status` shows, from Slurm and the run's files (no Ray connection)."""
+    paths = RunDir(run_dir)
+
+    def read(path):
+        return json.loads(path.read_text()) if path.exists() else None
+
+    job, alloc, cluster = read(paths.job), read(paths.allocation), read(paths.ray_cluster)
+    if job is None and read_status(run_dir) is None:
+        raise SubmitError(f"{run_dir} has neither job.json nor status.json: not a run directory")
+    out = {"run_dir": str(run_dir.resolve()), "job": None, "components": [], "run": read_status(run_dir)}
+    if job:
+        try:
+            states, slurm_error = component_states(job["job_id"]), None
+        except (SubmitError, SlurmCommandError) as e:    # Slurm unreachable or the job forgotten: show the rest
+            states, slurm_error = {}, str(e).splitlines()[0]
+        out["job"] = {"id": job["job_id"], "name": job["name"], "via": job["via"], "slurm_error": slurm_error,
+                      "restart_count": alloc["restart_count"] if alloc else 0}
+        comps = {c["index"]: c for c in (alloc or {}).get("components", [])}
+        for index in sorted(set(job["members"].values())):
+            c = comps.get(index, {})
+            out["components"].append({"index": index, "roles": [r for r, i in job["members"].items() if i == index],
+                                      "state": states.get(index, "?"), "partition": c.get("partition"),
+                                      "nodes": [n["name"] for n in c.get("nodes", [])]})
+    store = CheckpointStore(run_dir)
+    steps = store.committed_steps() if store.root.exists() else []
+    if steps:
+        manifest = store.manifest(steps[-1])
+        out["checkpoint"] = {"step": steps[-1], "committed_at": manifest.get("time"),
+                             "path": str(store.step_dir(steps[-1]))}
+    else:
+        out["checkpoint"] = None
+    out["ray"] = None
+    if cluster:
+        ready = paths.ray_ready(cluster["run_id"])     # this start's barrier, not an earlier one's
+        out["ray"] = {"address": cluster["address"], "head": cluster["head"]["name"],
+                      "nodes": [f"{n['name']}@{n['addr']}" for n in cluster["nodes"]],
+                      "ready": ready.read_text().strip() if ready.exists() else None,
+                      "token": str(paths.ray_token)}
+    names = {n["addr"]: n["name"] for n in (cluster or {}).get("nodes", [])}
+    for role in ((out["run"] or {}).get("roles") or {}).values():
+        for r in role["ranks"]:
+            r["node"] = names.get(r["node_ip"], r["node_ip"])
+    return out
+
+
+def _age(t) -> str:
+    if not t:
+        return "?"
+    s = max(0, time.time() - t)
+    return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
+
+
+def format_status(st: dict) -> str:
+    lines = []
+    job, run = st["job"], st["run"]
+    if job:
+        lines.append(f"job {job['id']} ({job['name']}, via {job['via']}), restarts {job['restart_count']}"
+                     + (f"; {job['slurm_error']}" if job["slurm_error"] else ""))
+        for c in st["components"]:
+            lines.append(f"  component {c['index']} {','.join(c['roles']):22s} {c['state']:11s} "
+                         f"partition {c['partition'] or '?':8s} nodes {' '.join(c['nodes']) or '-'}")
+    if st["ray"]:
+        ray_ = st["ray"]
+        lines.append(f"ray: {ray_['address']} (head {ray_['head']}), nodes {' '.join(ray_['nodes'])}; "
+                     + (f"ready: {ray_['ready']}" if ray_["ready"] else "not all joined yet"))
+    if run:
+        where = f", {run['phase']} for {time.time() - run['phase_since']:.0f} s" if run.get("phase") and run.get("phase_since") else ""
+        step = "" if run["state"] == "starting" else f", step {run['step']}/{run['total_steps']}"
+        lines.append(f"run: {run['state']}{step}{where} (status written {_age(run['updated'])})")
+        if run.get("error"):
+            lines.append(f"  error: {run['error']}")
+        for name, role in run["roles"].items():
+            ranks = " ".join(f"rank{r['rank']}@{r['node']}(pid {r['pid']})" for r in role["ranks"])
+            lines.append(f"  {name:16s} {role['state']:10s} restarts {role['restarts']}  {ranks}")
+            if role.get("last_error"):
+                lines.append(f"  {'':16s} last error: {role['last_error']}")
+    else:
+        lines.append("run: no driver status (not started yet, or the spec has no train: section)")
+    ck = st["checkpoint"]
+    lines.append(f"checkpoint: step {ck['step']}, committed {_age(ck['committed_at'])}, {ck['path']}" if ck
+                 else "checkpoint: none committed yet")
+    return "\n".join(lines)

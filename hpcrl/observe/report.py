@@ -1,0 +1,170 @@
+"""`hpcrl report RUN_DIR`: RUN_DIR/report/ with one PNG per view of the run and an index.html.
+
+Reads only files: metrics.jsonl (one record per step, continuous across requeues since a resumed
+run truncates to its checkpoint), events.jsonl (starts, checkpoints), spec.yaml, allocation.json.
+Works on a running, finished or requeued run. Restarts are dashed vertical lines on every plot;
+the phase-time chart also marks each checkpoint on its x axis.
+"""
+from __future__ import annotations
+
+import html
+import json
+import time
+from pathlib import Path
+
+from hpcrl.observe.metrics import read_metrics
+from hpcrl.observe.status import read_events, read_status
+from hpcrl.run_dir import RunDir
+
+# (file, title, [(metric key, label)], y label)
+CURVES = [
+    ("reward.png", "Reward", [("reward/mean", "mean"), ("reward/max", "max")], "score"),
+    ("kl.png", "KL to the reference", [("kl", "KL"), ("kl_coef", "KL coefficient β")], "KL"),
+    ("losses.png", "Losses", [("actor/pg_loss", "policy loss"), ("critic/vf_loss", "value loss")], "loss"),
+    ("clipfrac.png", "PPO clip fraction", [("actor/clipfrac", "clip fraction")], "fraction of tokens"),
+    ("entropy.png", "Policy entropy", [("actor/entropy", "entropy")], "nats per token"),
+    ("response_length.png", "Response length", [("response_length/mean", "mean")], "tokens"),
+    ("throughput.png", "Throughput", [("throughput/tokens_per_s", "tokens/s")], "tokens / s"),
+]
+
+
+def restarts(events: list[dict]) -> list[int]:
+    """The step each later start of the job resumed from (the first start is not a restart)."""
+    starts = [e for e in events if e["event"] == "start"]
+    return [e["step"] for e in starts[1:]]
+
+
+TWIN = {"kl_coef"}   # plotted on a right-hand axis of its own scale
+
+
+def _plot_curves(ax, records, series, restart_steps):
+    steps = [r["step"] for r in records]
+    lines = []
+    for i, (key, label) in enumerate(series):
+        ys = [r.get(key) for r in records]
+        if any(y is not None for y in ys):
+            where = ax.twinx() if key in TWIN else ax
+            lines += where.plot(steps, [float("nan") if y is None else y for y in ys], label=label, linewidth=1.2,
+                                color=f"C{i}")
+            if key in TWIN:
+                where.set_ylabel(label)
+    if len(lines) > 1:
+        ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
+    for s in restart_steps:
+        ax.axvline(s + 0.5, color="0.4", linestyle="--", linewidth=0.9)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+
+
+def phase_chart(ax, records, checkpoint_steps, restart_steps):
+    """Stacked seconds per phase for every step; 'other' is the step's time the phases do not cover."""
+    import numpy as np
+
+    steps = np.array([r["step"] for r in records])
+    phases = list(dict.fromkeys(k for r in records for k in r if k.startswith("timing/") and k != "timing/step"))
+    series = {p.removeprefix("timing/"): np.array([r.get(p, 0.0) for r in records]) for p in phases}
+    covered = sum(series.values(), np.zeros(len(records)))
+    series["other"] = np.maximum(np.array([r.get("timing/step", 0.0) for r in records]) - covered, 0)
+    bottom = np.zeros(len(records))
+    for phase, ys in series.items():
+        if ys.any():
+            ax.bar(steps, ys, bottom=bottom, width=1.0, label=phase, linewidth=0)
+            bottom += ys
+    top = max(bottom.max(), 1e-3) if len(bottom) else 1.0
+    if checkpoint_steps:
+        ax.plot(checkpoint_steps, [-0.03 * top] * len(checkpoint_steps), "v", color="black", markersize=5,
+                label="checkpoint", clip_on=False)
+    for i, s in enumerate(restart_steps):
+        ax.axvline(s + 0.5, color="crimson", linestyle="--", linewidth=1.2, label="requeue (resumed here)" if i == 0 else None)
+    ax.set_ylim(-0.06 * top, top * 1.05)
+    ax.set_xlabel("step")
+    ax.set_ylabel("seconds")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write RUN_DIR/report/{*.png,index.html}; returns the index path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    paths = RunDir(run_dir)
+    records = read_metrics(paths.metrics)
+    if not records:
+        raise ValueError(f"{paths.metrics}: no steps recorded yet; nothing to report")
+    events = read_events(run_dir)
+    restart_steps = restarts(events)
+    checkpoint_steps = [e["step"] for e in events if e["event"] == "checkpoint"]
+    out = paths.report
+    out.mkdir(exist_ok=True)
+    figures = []
+    for name, title, series, ylabel in CURVES:
+        if not any(r.get(key) is not None for r in records for key, _ in series):
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        _plot_curves(ax, records, series, restart_steps)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        figures.append((name, title))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    phase_chart(ax, records, checkpoint_steps, restart_steps)
+    ax.set_title("Where each step's time went (▼ checkpoint, dashed: requeue)")
+    fig.tight_layout()
+    fig.savefig(out / "phase_time.png", dpi=110)
+    plt.close(fig)
+    figures.insert(0, ("phase_time.png", "Time per step, by phase"))
+    index = out / "index.html"
+    index.write_text(_html(run_dir, records, events, restart_steps, figures))
+    return index
+
+
+def _html(run_dir, records, events, restart_steps, figures) -> str:
+    import yaml
+
+    spec_path, alloc_path = RunDir(run_dir).spec, RunDir(run_dir).allocation
+    spec = yaml.safe_load(spec_path.read_text()) if spec_path.exists() else {}
+    alloc = json.loads(alloc_path.read_text()) if alloc_path.exists() else {}
+    status = read_status(run_dir) or {}
+    nodes = {m: [n["name"] for n in c["nodes"]] for c in alloc.get("components", []) for m in c["members"]}
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{e(role)}</td><td>{e(r.get('partition') or 'with ' + r.get('same_nodes_as', '?'))}</td>"
+        f"<td>{r.get('nodes', 1)}</td><td>{e(str(r.get('gpus_per_node', 0)))}{' × ' + e(r['gpu_type']) if r.get('gpu_type') else ''}</td>"
+        f"<td>{r.get('cpus_per_task', '')}</td><td>{e(str(r.get('mem', '')))}</td><td>{e(str(r.get('time', '')))}</td>"
+        f"<td>{e(' '.join(nodes.get(role, [])) or '-')}</td></tr>"
+        for role, r in spec.get("roles", {}).items())
+    last = records[-1]
+    ckpts = [ev for ev in events if ev["event"] == "checkpoint"]
+    facts = [("run directory", str(run_dir.resolve())), ("job", str(alloc.get("job_id", "-"))),
+             ("state", f"{status.get('state', '?')}, step {last['step']} of {status.get('total_steps', '?')}"),
+             ("restarts", f"{len(restart_steps)}" + (f" (resumed at steps {', '.join(map(str, restart_steps))})" if restart_steps else "")),
+             ("checkpoints", f"{len(ckpts)}" + (f", last at step {ckpts[-1]['step']}" if ckpts else "")),
+             ("reward", f"{records[0]['reward/mean']:.3f} at step {records[0]['step']} → {last['reward/mean']:.3f} at step {last['step']}"),
+             ("written", time.strftime("%Y-%m-%d %H:%M:%S"))]
+    train = "".join(f"<tr><td>{e(str(k))}</td><td>{e(json.dumps(v))}</td></tr>" for k, v in spec.get("train", {}).items())
+    imgs = "".join(f'<figure><img src="{e(name)}" alt="{e(title)}"><figcaption>{e(title)}</figcaption></figure>'
+                   for name, title in figures)
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>hpcrl report: {e(spec.get('name', run_dir.name))}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin: 0.5em 0 1.5em; }}
+td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; font-size: 0.9em; }}
+figure {{ display: inline-block; margin: 0.5em; }} figcaption {{ font-size: 0.85em; color: #555; }}
+img {{ max-width: 100%; }}
+</style></head><body>
+<h1>{e(spec.get('name', run_dir.name))}</h1>
+<table>{''.join(f'<tr><th>{e(k)}</th><td>{e(v)}</td></tr>' for k, v in facts)}</table>
+<h2>Roles and allocation</h2>
+<table><tr><th>role</th><th>partition</th><th>nodes</th><th>GPUs/node</th><th>CPUs</th><th>mem</th><th>time</th><th>allocated nodes</th></tr>{rows}</table>
+<h2>Curves</h2>
+{imgs}
+<h2>Training settings</h2>
+<table>{train}</table>
+</body></html>
+"""

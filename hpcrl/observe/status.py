@@ -1,0 +1,75 @@
+"""What the driver publishes about its run, so a login node can see it without a Ray connection.
+
+    RUN_DIR/status.json    rewritten (atomically) at every phase and whenever a role starts or
+                           ends a rebuild: state, step, phase, each role's ranks and health, the
+                           last committed checkpoint
+    RUN_DIR/events.jsonl   appended: start (and from which checkpoint), checkpoint (step, size,
+                           seconds), stop (why), finish, fail; one JSON object per line
+
+Both survive the job: `hpcrl status` and `hpcrl report` read them during the run and after it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from hpcrl.run_dir import RunDir
+
+
+class RunStatus:
+    def __init__(self, run_dir: Path, total_steps: int):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.groups: dict = {}
+        self.doc = {"state": "starting", "step": 0, "total_steps": total_steps, "phase": "starting the roles",
+                    "phase_since": time.time(), "started": time.time(), "pid": os.getpid(), "last_checkpoint": None,
+                    "error": None}
+        self.write()
+
+    def attach(self, groups: dict) -> None:
+        """The role WorkerGroups, once started: their ranks and health go into every write."""
+        self.groups = groups
+        for wg in groups.values():
+            wg.on_change(self.write)
+        self.write()
+
+    def phase(self, step: int, phase: str) -> None:
+        self.doc.update(state="running", step=step, phase=phase, phase_since=time.time())
+        self.write()
+
+    def event(self, kind: str, **fields) -> dict:
+        """Append one event; `checkpoint`, `finish`, `stop` and `fail` also change the status."""
+        record = {"time": round(time.time(), 3), "event": kind, **fields}
+        with open(RunDir(self.run_dir).events, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if kind == "checkpoint":
+            self.doc["last_checkpoint"] = {"step": fields["step"], "time": record["time"]}
+        elif kind in ("finish", "stop", "fail"):
+            self.doc.update(state={"finish": "finished", "stop": "stopped", "fail": "failed"}[kind], phase=None,
+                            error=fields.get("error"))
+        self.write()
+        return record
+
+    def write(self) -> None:
+        doc = {**self.doc, "updated": time.time(), "roles": {r: wg.describe() for r, wg in self.groups.items()}}
+        path = RunDir(self.run_dir).status
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, path)   # no fsync: advisory, rewritten every phase
+
+
+def read_status(run_dir: Path) -> dict | None:
+    path = RunDir(run_dir).status
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    path = RunDir(run_dir).events
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

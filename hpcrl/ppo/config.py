@@ -1,0 +1,270 @@
+"""PPOConfig: the `train:` section of a job spec, one field per setting, each with what it does."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class RolePlace(NamedTuple):
+    """Where the job spec puts a role: its hetjob component, its GPUs (all nodes), and the spec
+    field that gives them (`roles.<the component's first role>`), for messages."""
+    component: int
+    gpus: int
+    field: str
+
+
+@dataclass
+class PPOConfig:
+    seed: int = 1
+    """seeds the model's initial weights, the prompt order and every sampler"""
+    total_steps: int = 150
+    """training steps; each is one batch of prompts: generate, score, advantages, updates"""
+
+    # --- data and task
+    dataset: str = ""
+    """JSONL of prompts ({"prompt": text} or {"prompt_ids": [...]}, extra fields go to the reward
+    function); empty: the built-in copy task writes RUN_DIR/prompts.jsonl"""
+    task_digits: int = 2
+    """copy task: digits per prompt ("12=" must be answered "12")"""
+    task_prompts: int = 4096
+    """copy task: distinct prompts generated"""
+    reward_fn: str = "hpcrl.ppo.tasks.copy_digits:score"
+    """rule reward `module:function`, called as fn(prompt, response, **fields) -> float in the reward role"""
+    reward_model_dir: str = ""
+    """a sequence-scoring HF model directory; when set it scores instead of reward_fn"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of a response that never emitted the stop token"""
+
+    # --- model
+    model_dir: str = ""
+    """an HF causal LM directory; empty: a tiny Qwen2 built from the sizes below into RUN_DIR/model"""
+    hidden_size: int = 128
+    """tiny model width (head_dim = hidden_size / heads must be ≥ 32)"""
+    layers: int = 2
+    """tiny model depth"""
+    heads: int = 4
+    """tiny model attention heads"""
+    critic_init: str = "actor"
+    """"actor" (the policy's backbone, fresh value head) or a reward model directory"""
+
+    # --- rollout
+    batch_size: int = 64
+    """prompts per step"""
+    n_samples: int = 1
+    """responses per prompt (GRPO needs ≥ 2: the group to normalise against)"""
+    max_new_tokens: int = 3
+    """longest response"""
+    temperature: float = 1.0
+    """sampling temperature; the same temperature scales the actor's and reference's log-probs"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    top_k: int = 0
+    """top-k sampling (0: off)"""
+    rollout_engine: str = "torch"
+    """"torch" (samples with the training module itself) or "vllm" (a vLLM engine in the rollout
+    process; the actor's new weights are loaded into it in place after every update)"""
+    rollout_role: bool = False
+    """generate in a separate `rollout` role (its own nodes in the spec) instead of in actor_rollout;
+    the actor's weights travel to it through Ray's object store after every update"""
+    rollout_tensor_parallel: int = 1
+    """vLLM tensor parallel size: GPUs per engine (CPU: 1)"""
+    rollout_gpu_memory: float = 0.5
+    """vLLM: fraction of a GPU's memory for its weights and KV cache"""
+    rollout_max_model_len: int = 0
+    """vLLM: longest prompt + response (0: the model's max_position_embeddings)"""
+    cache_dir: str = ""
+    """compile caches and temp files of the rollout engine (vLLM, torch inductor); empty: RUN_DIR/cache.
+    Runs that share one reuse each other's compiled kernels"""
+
+    # --- training engine
+    train_engine: str = "torch"
+    """"torch" (DDP on CPU, FSDP2 on GPUs) or "megatron" (megatron-core, GPU only: tensor and
+    pipeline parallelism, distributed optimizer) for the actor, critic and reference"""
+    tensor_parallel: int = 1
+    """megatron: GPUs that split each layer (must divide the heads, KV heads and FFN width)"""
+    pipeline_parallel: int = 1
+    """megatron: stages the layers are split into (must divide the layer count)"""
+    precision: str = "auto"
+    """"auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32" for the torch engine; megatron is bf16"""
+
+    # --- advantages and KL
+    advantage: str = "gae"
+    """"gae" (with the critic) or "grpo" (group-normalised scores, no critic)"""
+    gamma: float = 1.0
+    """discount"""
+    lam: float = 0.95
+    """GAE λ"""
+    whiten_advantages: bool = True
+    """normalise GAE advantages over the batch's valid tokens"""
+    kl_coef: float = 0.01
+    """β: weight of KL(π‖π_ref)"""
+    kl_in_reward: bool = True
+    """put −β·KL in the token rewards"""
+    kl_loss: bool = False
+    """add β·KL to the actor's loss instead (both only when both are set)"""
+    kl_estimator: str = "k1"
+    """k1, k2 or k3 for the reward penalty"""
+    kl_loss_estimator: str = "k3"
+    """k1, k2 or k3 for the loss term"""
+    kl_target: float = 0.0
+    """> 0: adaptive β that steers KL to this value"""
+    kl_horizon: float = 10000.0
+    """adaptive β: samples over which β may change by ±20%"""
+
+    # --- optimisation
+    ppo_epochs: int = 2
+    """passes over each step's batch"""
+    mini_batch_size: int = 32
+    """samples per optimizer step (across the role's ranks)"""
+    micro_batch_size: int = 32
+    """samples per forward/backward on one rank (gradient accumulation below mini_batch_size)"""
+    actor_lr: float = 1e-3
+    """actor AdamW learning rate"""
+    critic_lr: float = 2e-3
+    """critic AdamW learning rate"""
+    warmup_steps: int = 5
+    """optimizer steps of linear LR warm-up"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    grad_clip: float = 1.0
+    """gradient norm clip"""
+    clip_low: float = 0.2
+    """PPO ε below 1"""
+    clip_high: float = 0.2
+    """PPO ε above 1 (raise it for DAPO's clip-higher)"""
+    dual_clip: float = 0.0
+    """> 1: dual-clip constant c for negative advantages (0: off)"""
+    vf_clip: float = 0.5
+    """value clip around the old values (0: off)"""
+    entropy_coef: float = 0.01
+    """entropy bonus"""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean"""
+    critic_warmup: int = 0
+    """steps that train only the critic"""
+
+    # --- checkpoints
+    save_every: int = 0
+    """steps between checkpoints (0: only when stopped by a signal or the deadline, and at the end)"""
+    save_last: bool = True
+    """checkpoint after the last step (off for benchmarks that only time the steps)"""
+    keep_last: int = 3
+    """committed steps kept (older ones are deleted once a newer one is committed)"""
+    keep_every: int = 0
+    """also keep every step that is a multiple of this (0: none)"""
+    async_save: bool = False
+    """write the periodic checkpoints on a background thread while training goes on"""
+    checkpoint_io: str = "auto"
+    """how a data-parallel role of several ranks writes its file. parallel: all its ranks write one
+    file together (parallel HDF5; needs h5py built with MPI and a Slurm job to run the writers as a
+    step of); serial: rank 0 writes it; auto: parallel where possible, else serial"""
+
+    # --- layout and fault tolerance
+    colocate: list[list[str]] = field(default_factory=list)
+    """groups of roles that share one process per rank, e.g. [[actor_rollout, ref]]"""
+    processes_per_node: dict[str, int] = field(default_factory=dict)
+    """role -> processes per CPU node (a GPU node runs one per GPU)"""
+    standby: bool = False
+    """keep an idle process per rank so a dead rank is replaced without a process start"""
+    restart_limit: int = 3
+    """rebuilds of one role allowed per hour before the run fails"""
+    progress: bool = True
+    """a progress bar on the console"""
+
+    @classmethod
+    def from_dict(cls, data: dict | None, where: str = "train") -> PPOConfig:
+        """Unknown or ill-typed settings are errors that name the field."""
+        data = dict(data or {})
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        problems = [f"{where}.{k}: unknown setting (known: {', '.join(known)})" for k in data if k not in known]
+        typed = {k: v for k, v in data.items() if k in known and _type_ok(v, known[k].type)}
+        problems += [f"{where}.{k}: expected {known[k].type}, got {v!r}" for k, v in data.items()
+                     if k in known and k not in typed]
+        cfg = cls(**typed)
+        problems += [f"{where}.{p}" for p in cfg.problems()]
+        if problems:
+            raise ValueError("\n".join(problems))
+        return cfg
+
+    def problems(self) -> list[str]:
+        p = []
+        if self.advantage not in ("gae", "grpo"):
+            p.append(f"advantage: {self.advantage!r} is not gae or grpo")
+        if self.rollout_engine not in ("torch", "vllm"):
+            p.append(f"rollout_engine: {self.rollout_engine!r} is not torch or vllm")
+        if self.rollout_tensor_parallel < 1 or (self.rollout_tensor_parallel > 1 and self.rollout_engine != "vllm"):
+            p.append(f"rollout_tensor_parallel: {self.rollout_tensor_parallel} needs rollout_engine: vllm and must be ≥ 1")
+        if self.train_engine not in ("torch", "megatron"):
+            p.append(f"train_engine: {self.train_engine!r} is not torch or megatron")
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1 or (getattr(self, name) > 1 and self.train_engine != "megatron"):
+                p.append(f"{name}: {getattr(self, name)} needs train_engine: megatron and must be ≥ 1")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            p.append(f"precision: {self.precision!r} is not auto, bf16 or fp32")
+        if self.checkpoint_io not in ("auto", "parallel", "serial"):
+            p.append(f"checkpoint_io: {self.checkpoint_io!r} is not auto, parallel or serial")
+        if self.advantage == "grpo" and self.n_samples < 2:
+            p.append("n_samples: GRPO needs ≥ 2 responses per prompt to normalise against")
+        for name in ("kl_estimator", "kl_loss_estimator"):
+            if getattr(self, name) not in ("k1", "k2", "k3"):
+                p.append(f"{name}: {getattr(self, name)!r} is not k1, k2 or k3")
+        if self.loss_agg_mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+            p.append(f"loss_agg_mode: {self.loss_agg_mode!r} is not token-mean, seq-mean-token-sum or seq-mean-token-mean")
+        if (self.batch_size * self.n_samples) % self.mini_batch_size:
+            p.append(f"mini_batch_size: {self.mini_batch_size} does not divide batch_size × n_samples = "
+                     f"{self.batch_size * self.n_samples}")
+        if self.micro_batch_size > self.mini_batch_size:
+            p.append(f"micro_batch_size: {self.micro_batch_size} is larger than mini_batch_size {self.mini_batch_size}")
+        if self.dual_clip and self.dual_clip <= 1:
+            p.append(f"dual_clip: must be > 1 (or 0 for off), got {self.dual_clip}")
+        return p
+
+    def placement_problems(self, places: dict[str, RolePlace]) -> list[str]:
+        """What these settings need of the spec's roles: every role they run placed, colocated roles
+        in one component, megatron's roles on GPUs that its TP × PP layout divides."""
+        problems = [f"roles.{r}: missing; train needs it (advantage={self.advantage}, kl_coef={self.kl_coef}) — "
+                    f"give it resources or same_nodes_as: <role>" for r in self.roles() if r not in places]
+        for k, group in enumerate(self.colocate):
+            unknown = [r for r in group if r not in self.roles()]
+            if unknown:
+                problems.append(f"train.colocate[{k}]: {unknown} not among the roles this training runs {self.roles()}")
+            elif len({places[r].component if r in places else None for r in group}) > 1:
+                problems.append(f"train.colocate[{k}]: {group} are in different Slurm components; colocated roles "
+                                f"need the same nodes (same_nodes_as: {group[0]})")
+        problems += [f"train.processes_per_node.{r}: not a role of this spec" for r in self.processes_per_node
+                     if r not in places]
+        if self.train_engine == "megatron":
+            need = self.tensor_parallel * self.pipeline_parallel
+            for r in ("actor_rollout", "critic", "ref"):
+                if r not in self.roles() or r not in places:
+                    continue
+                place = places[r]
+                if not place.gpus:
+                    problems.append(f"{place.field}: no GPUs, but train.train_engine: megatron runs role {r} on GPUs "
+                                    "(set gpus_per_node, or use train_engine: torch)")
+                elif place.gpus % need:
+                    problems.append(f"train.tensor_parallel × pipeline_parallel = {need} does not divide the "
+                                    f"{place.gpus} GPUs of role {r} ({place.field})")
+        return problems
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage == "gae"
+
+    @property
+    def uses_ref(self) -> bool:
+        return self.kl_coef > 0 and (self.kl_in_reward or self.kl_loss)
+
+    def roles(self) -> list[str]:
+        """The roles this configuration runs; the job spec must give each one resources."""
+        return ["actor_rollout"] + (["rollout"] if self.rollout_role else []) + (["critic"] if self.uses_critic else []) + (["ref"] if self.uses_ref else []) + ["reward"]
+
+
+def _type_ok(value, annotation: str) -> bool:
+    base = {"int": int, "float": (int, float), "str": str, "bool": bool}.get(annotation)
+    if base is None:
+        return True  # containers are checked where they are used
+    if annotation != "bool" and isinstance(value, bool):
+        return False
+    return isinstance(value, base)

@@ -1,0 +1,297 @@
+"""The PPO driver: the single controller, and the only code that knows the order of the phases.
+
+Per step:
+    prompts ──► actor_rollout.generate_sequences ──► (one future, not fetched yet)
+                  ├─► actor_rollout.compute_log_prob   (old log-probs, recomputed by the trainer)
+                  ├─► ref.compute_ref_log_prob          } issued at once, on their own
+                  ├─► critic.compute_values             } processes and nodes; the batch goes
+                  └─► reward.compute_scores             } rank to rank, not via the driver
+    advantages on the driver (KL-shaped token rewards, GAE or GRPO)
+    critic.update_critic ─► actor_rollout.update_actor (after critic_warmup) ─► weights to rollout
+
+Started by hpcrl/launch/driver.py, the one way in: inside a job (`python -m hpcrl.launch RUN_DIR`,
+what the batch script runs), through submitit, or locally (`hpcrl run SPEC --local`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpcrl import algo
+from hpcrl.checkpoint.commit import RoleCheckpoints
+from hpcrl.checkpoint.store import CheckpointStore
+from hpcrl.controller import ResourcePool, WorkerGroup
+from hpcrl.controller.batch import Batch
+from hpcrl.models import CharTokenizer, create_model_dir
+from hpcrl.observe.metrics import MetricsLog
+from hpcrl.observe.status import RunStatus
+from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.roles import ActorRollout, Critic, Reference, RewardModel, Rollout, RuleReward
+from hpcrl.ppo.tasks import copy_digits as copy_task
+from hpcrl.run_dir import RunDir
+from hpcrl.stop import StopRequest
+
+
+def prepare_inputs(cfg: PPOConfig, run_dir: Path) -> tuple[Path, Path]:
+    """The model and prompts every role reads: given by the config, or built once into the run dir."""
+    tok, paths = CharTokenizer(copy_task.ALPHABET), RunDir(run_dir)
+    model_dir = Path(cfg.model_dir) if cfg.model_dir else create_model_dir(
+        paths.model, tok, cfg.seed, hidden_size=cfg.hidden_size, layers=cfg.layers, heads=cfg.heads)
+    prompts = Path(cfg.dataset) if cfg.dataset else paths.prompts
+    if not cfg.dataset and not prompts.exists():
+        copy_task.write_prompts(prompts, cfg.task_prompts, cfg.task_digits, cfg.seed)
+    return model_dir, prompts
+
+
+def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path) -> dict[str, WorkerGroup]:
+    """One WorkerGroup per role, on the nodes labelled with that role; colocated roles share processes."""
+    paths = RunDir(run_dir)
+    conf = dataclasses.asdict(cfg) | {"cache_dir": str(Path(cfg.cache_dir or paths.cache).absolute())}
+    workers = {"actor_rollout": (ActorRollout, (str(model_dir), conf), {}),
+               "rollout": (Rollout, (str(model_dir), conf), {}),
+               "critic": (Critic, (str(model_dir), conf), {}),
+               "ref": (Reference, (str(model_dir), conf), {}),
+               "reward": ((RewardModel, (cfg.reward_model_dir,), {}) if cfg.reward_model_dir
+                          else (RuleReward, (str(model_dir), cfg.reward_fn), {}))}
+    workers = {r: w for r, w in workers.items() if r in cfg.roles()}
+    opts = {"log_dir": paths.logs, "restart_limit": cfg.restart_limit, "standby": cfg.standby}
+
+    def colocated(together: list[str]) -> dict[str, WorkerGroup]:
+        pool = ResourcePool.for_role(together[0], cfg.processes_per_node.get(together[0]), len(together))
+        return WorkerGroup.colocated(pool, {r: workers[r] for r in together}, **opts)
+
+    def alone(role: str) -> dict[str, WorkerGroup]:
+        cls, args, kwargs = workers[role]
+        return {role: WorkerGroup(ResourcePool.for_role(role, cfg.processes_per_node.get(role)), cls, args, kwargs, **opts)}
+
+    # every group at once: each start (process, torch import, model load) takes seconds, and the
+    # groups are on different nodes
+    together = {r for group in cfg.colocate for r in group}
+    starts = [lambda g=g: colocated(g) for g in cfg.colocate] + [lambda r=r: alone(r) for r in workers if r not in together]
+    groups: dict[str, WorkerGroup] = {}
+    with ThreadPoolExecutor(len(starts), thread_name_prefix="hpcrl-start") as threads:
+        for built in [threads.submit(start) for start in starts]:
+            groups.update(built.result())
+    return {r: groups[r] for r in workers}     # in role order, whatever finished first
+
+
+def compute_advantages(batch: Batch, cfg: PPOConfig, kl_ctl) -> dict:
+    """Adds token_rewards, advantages, returns to batch; returns the KL metrics."""
+    mask = batch["response_mask"].float()
+    scores = batch["scores"].float() - cfg.missing_eos_penalty * (~batch["has_eos"]).float()
+    kl = None
+    if cfg.uses_ref:
+        kl = algo.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], cfg.kl_estimator) * mask
+    beta = kl_ctl.value if cfg.kl_in_reward else 0.0
+    rewards = algo.token_level_rewards(scores, kl, mask, beta)
+    if cfg.advantage == "gae":
+        adv, ret = algo.gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            adv = algo.masked_whiten(adv, mask)
+    else:
+        adv = algo.grpo_advantages(rewards.sum(dim=1), torch.as_tensor(batch["group"].astype(np.int64)), mask)
+        ret = adv
+    batch["token_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
+    current_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
+    kl_ctl.update(current_kl, len(batch))
+    return {"kl": current_kl, "kl_coef": beta if cfg.kl_in_reward else cfg.kl_coef}
+
+
+def pad_for_ranks(batch: Batch, world_size: int) -> Batch:
+    """Equal shards for every rank (DDP needs the same number of steps everywhere): pad with copies
+    whose response_mask is 0, so they add nothing to any loss."""
+    padded, padding = batch.pad_to_multiple(world_size)
+    if padding.pad:
+        mask = padded["response_mask"].clone()
+        mask[padding.size:] = 0
+        padded["response_mask"] = mask
+    return padded
+
+
+def explained_variance(values, returns, mask) -> float:
+    m = mask.bool()
+    var = torch.var(returns[m])
+    return float(1 - torch.var(returns[m] - values[m]) / var) if var > 0 else float("nan")
+
+
+class _Timer:
+    """Times each phase of a step, and tells the run status which phase is running."""
+
+    def __init__(self, status: RunStatus, step: int):
+        self.times: dict[str, float] = {}
+        self.status, self.step = status, step
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self.status.phase(self.step, phase)
+        t0 = time.perf_counter()
+        yield
+        self.times[f"timing/{phase}"] = round(time.perf_counter() - t0, 4)
+
+
+def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
+          stop: StopRequest | None = None, tensorboard: bool = False) -> tuple[list[dict], str | None]:
+    """Train to cfg.total_steps, resuming from the run's newest good checkpoint. Returns (this
+    call's metrics records, why it stopped early or None). RUN_DIR/status.json and events.jsonl
+    say what it is doing (hpcrl status, hpcrl report)."""
+    run_dir = Path(run_dir)
+    status = RunStatus(run_dir, cfg.total_steps)
+    model_dir, prompts_path = prepare_inputs(cfg, run_dir)
+    try:
+        groups = groups or build_worker_groups(cfg, model_dir, run_dir)
+        status.attach(groups)
+        history, reason = _train(cfg, run_dir, model_dir, prompts_path, groups, status, stop or StopRequest(),
+                                 MetricsLog(run_dir, tensorboard))
+    except BaseException as e:
+        status.event("fail", step=status.doc["step"], error=f"{type(e).__name__}: {e}".strip().splitlines()[-1])
+        raise
+    if reason:
+        status.event("stop", step=status.doc["step"], reason=reason)
+    else:
+        status.event("finish", step=cfg.total_steps)
+    return history, reason
+
+
+def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, stop: StopRequest, log: MetricsLog):
+    actor, critic, ref, reward = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "reward"))
+    rollout = groups.get("rollout")
+
+    def sync_weights() -> None:
+        if rollout:
+            rollout.load_weights(actor.export_weights.future())
+        else:
+            actor.sync_rollout_weights()
+
+    def committed(step: int, nbytes: int, seconds: float) -> None:
+        status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))
+        print(f"{_now()} checkpoint step {step} committed: {_size_rate(nbytes, seconds, 'written')}", flush=True)
+
+    dataset = PromptDataset(prompts_path, CharTokenizer.load(model_dir), cfg.batch_size, cfg.seed)
+    kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
+              else algo.FixedKLController(cfg.kl_coef))
+    # the rollout role holds a copy of the actor's weights: nothing of its own to save
+    checkpoints = RoleCheckpoints(CheckpointStore(run_dir, cfg.keep_last, cfg.keep_every),
+                                  {r: g for r, g in groups.items() if r != "rollout"}, cfg.async_save, committed)
+    if rollout:   # after a rebuild (and the actor's restore) the rollout must hold the actor's weights
+        for wg in (rollout, actor):
+            wg.on_restart(sync_weights)
+    start = 0
+    t_load = time.perf_counter()
+    resumed = checkpoints.resume()
+    if resumed:
+        start, state, nbytes = resumed
+        dataset.load_state_dict(state["dataset"])
+        kl_ctl.value = state["kl_coef"]
+        log.truncate(state["metrics_bytes"])   # steps after the checkpoint are done again
+        print(f"{_now()} resumed from checkpoint step {start} ({RunDir(run_dir).ckpt}): "
+              f"{_size_rate(nbytes, time.perf_counter() - t_load, 'read')}", flush=True)
+        if rollout:
+            sync_weights()
+    status.event("start", step=start, resumed=bool(resumed), total_steps=cfg.total_steps)
+    history = []
+    bar = _progress(cfg, start)
+    for step in range(start + 1, cfg.total_steps + 1):
+        timer, t_step = _Timer(status, step), time.perf_counter()
+
+        # 1. rollout, then everything that only reads the rollout, issued together as futures
+        prompts = dataset.next_batch()
+        if cfg.n_samples > 1:
+            prompts = prompts.repeat(cfg.n_samples)
+            prompts["group"] = np.repeat(np.arange(cfg.batch_size), cfg.n_samples)
+        prompts.meta["step"] = step
+        with timer("generate"):
+            gen = (rollout or actor).generate_sequences.future(prompts)
+            batch = gen.result()
+        with timer("score"):
+            futures = [actor.compute_log_prob.future(gen), reward.compute_scores.future(gen)]
+            futures += [ref.compute_ref_log_prob.future(gen)] if ref else []
+            futures += [critic.compute_values.future(gen)] if critic else []
+            for f in futures:
+                batch = batch.union(f.result())
+
+        # 2. advantages, on the driver
+        with timer("advantage"):
+            kl_metrics = compute_advantages(batch, cfg, kl_ctl)
+
+        # 3. updates: critic first, then actor, then the new weights to the rollout engine
+        critic_stats, actor_stats = {}, {}
+        if critic:
+            with timer("update_critic"):
+                critic_stats = critic.update_critic(pad_for_ranks(batch, critic.world_size))[0]
+        if step > cfg.critic_warmup:
+            with timer("update_actor"):
+                actor_stats = actor.update_actor(pad_for_ranks(batch, actor.world_size))[0]
+            with timer("sync_weights"):
+                sync_weights()
+
+        mask = batch["response_mask"]
+        step_s = time.perf_counter() - t_step
+        tokens = int(mask.sum() + batch["prompt_mask"].sum())
+        record = {"step": step, "time": round(time.time(), 3),
+                  "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
+                  **kl_metrics,
+                  "actor/pg_loss": actor_stats.get("pg_loss"), "actor/clipfrac": actor_stats.get("clipfrac"),
+                  "actor/entropy": float(algo.masked_mean(batch["entropy"], mask)),
+                  "actor/approx_kl": actor_stats.get("approx_kl"), "actor/grad_norm": actor_stats.get("grad_norm"),
+                  "critic/vf_loss": critic_stats.get("vf_loss"),
+                  "critic/vf_explained_var": explained_variance(batch["values"], batch["returns"], mask) if critic else None,
+                  "response_length/mean": float(mask.sum(dim=1).float().mean()),
+                  **timer.times, "timing/step": round(step_s, 4), "throughput/tokens_per_s": round(tokens / step_s, 1)}
+        log.write(record)
+        history.append(record)
+        bar(record)
+
+        # 4. checkpoint: periodically, at the end, and when asked to stop (then stop)
+        reason = stop.check()
+        if reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0):
+            status.phase(step, "checkpoint")
+            checkpoints.save(step, {"step": step, "dataset": dataset.state_dict(), "kl_coef": kl_ctl.value,
+                                    "metrics_bytes": log.size()}, background=not reason and step < cfg.total_steps)
+        if reason:
+            checkpoints.finish()
+            print(f"{_now()} stopped after step {step} ({reason}); checkpoint committed "
+                  f"{time.time() - stop.since:.2f} s after the request", flush=True)
+            return history, reason
+    checkpoints.finish()
+    return history, None
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size_rate(nbytes: int, seconds: float, verb: str) -> str:
+    return f"{nbytes / 1e6:.1f} MB {verb} in {seconds:.2f} s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)"
+
+
+def _progress(cfg: PPOConfig, start: int = 0):
+    """A live tqdm bar on a terminal; in a file (the Slurm output), one dated line per step."""
+    if not cfg.progress:
+        return lambda record: None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.total_steps, initial=start, desc="ppo", unit="step")
+
+        def show(r):
+            bar.update(1)
+            bar.set_postfix(reward=f"{r['reward/mean']:.3f}", kl=f"{r['kl']:.4f}", tok_s=f"{r['throughput/tokens_per_s']:.0f}")
+            if r["step"] == cfg.total_steps:
+                bar.close()
+        return show
+
+    def line(r):
+        losses = "".join(f" {name} {r[key]:.4f}" for name, key in (("pg_loss", "actor/pg_loss"), ("vf_loss", "critic/vf_loss"))
+                         if r.get(key) is not None)
+        print(f"{_now()} step {r['step']}/{cfg.total_steps} reward {r['reward/mean']:.3f} kl {r['kl']:.4f}{losses} "
+              f"resp_len {r['response_length/mean']:.2f} tokens/s {r['throughput/tokens_per_s']:.0f} "
+              f"({r['timing/step']:.2f} s)", flush=True)
+    return line

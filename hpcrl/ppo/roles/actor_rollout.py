@@ -1,0 +1,71 @@
+"""ActorRollout: the policy. Samples responses, recomputes their log-probs, takes PPO steps."""
+from __future__ import annotations
+
+import torch
+
+from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
+from hpcrl.checkpoint.role import Checkpointed
+from hpcrl.controller import Dispatch, Worker, register
+from hpcrl.controller.batch import Batch
+from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.roles.common import local_share, make_train_engine, ppo_updates, seed_all
+from hpcrl.ppo.roles.rollout import Generates, make_rollout_engine
+
+
+class ActorRollout(Generates, Checkpointed, Worker):
+    """The policy; it also generates unless the job runs a separate `rollout` role."""
+    shares_device = True
+
+    def __init__(self, model_dir: str, cfg: dict):
+        self.cfg = PPOConfig(**cfg)
+        seed_all(self.cfg.seed + self.rank)
+        self.engine = make_train_engine(self.cfg, model_dir, "log_probs", self.device, self.cfg.actor_lr)
+        self.rollout = None if self.cfg.rollout_role else make_rollout_engine(self.cfg, model_dir, self.rank, self.device,
+                                                                              self.engine)
+
+    @register(Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """log π_old of the sampled tokens, recomputed by the training model (not the sampler's)."""
+        out = self.engine.infer(batch, self.cfg.micro_batch_size)
+        return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+
+    @register(Dispatch.DP_COMPUTE)
+    def update_actor(self, batch: Batch) -> dict:
+        step = int(batch.meta.get("step", 0))
+        return ppo_updates(self.engine, batch, self.cfg, self.world_size, [self.cfg.seed, step, self.rank, 1], self._loss)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self) -> None:
+        """Copy the trained weights into this process's rollout engine, in place (a sampler that is
+        the training module itself needs nothing)."""
+        if self.rollout is not None and not self.rollout.shares_module:
+            self.rollout.load_weights(self.engine.full_weights())
+
+    @register(Dispatch.ALL_RANK_ZERO)
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """The policy's parameters by HF name, for a separate rollout role's `load_weights`."""
+        weights = self.engine.full_weights()      # every rank: gathering sharded weights is a collective
+        return {k: v.detach().cpu() for k, v in weights.items()} if self.rank == 0 else None
+
+    def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
+        cfg, mask, logp, ent = self.cfg, mb["response_mask"], out["log_probs"], out["entropy"]
+        pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_low, cfg.clip_high,
+                                cfg.dual_clip or None, cfg.loss_agg_mode, total_tokens, total_seqs)
+        loss = pg
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.loss_agg_mode, total_tokens, total_seqs)
+        share = local_share(mask, total_tokens)
+        stats.update(pg_loss=float(pg.detach()) / share, entropy=float(masked_mean(ent.detach(), mask)))
+        if cfg.kl_loss and cfg.kl_coef:
+            kl = kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_estimator)
+            kl_loss = aggregate(kl, mask, cfg.loss_agg_mode, total_tokens, total_seqs)
+            loss = loss + cfg.kl_coef * kl_loss
+            stats["kl_loss"] = float(kl_loss) / share
+        return loss, stats
+
+    def checkpoint_state(self) -> dict:
+        return self.engine.state_dict()
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+        self.sync_rollout_weights()

@@ -1,0 +1,61 @@
+"""What the training roles share: seeding, optimiser settings, their engine, the PPO epoch/mini-batch loop."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hpcrl.controller.batch import Batch
+from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer
+from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, values_head
+from hpcrl.ppo.config import PPOConfig
+
+
+def seed_all(seed: int) -> None:
+    """torch, numpy's and Python's global generators: a role's whole RNG state is then a function of
+    the seed, so a resumed run and an uninterrupted one hold the same state (even where unused)."""
+    import random
+
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def optim_config(cfg: PPOConfig, lr: float) -> OptimConfig:
+    return OptimConfig(lr=lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
+                       grad_clip=cfg.grad_clip, micro_batch_size=cfg.micro_batch_size)
+
+
+def make_train_engine(cfg: PPOConfig, model_dir: str, head: str, device: torch.device, lr: float | None):
+    """The engine of a role: head "log_probs" (actor; reference when lr is None) or "values" (critic),
+    on cfg.train_engine. lr None: inference only."""
+    optim = optim_config(cfg, lr) if lr is not None else None
+    if cfg.train_engine == "megatron":
+        try:
+            from hpcrl.engines.train.megatron import MegatronEngine
+        except ImportError as e:
+            raise RuntimeError(f"train.train_engine: megatron, but megatron-core does not import here ({e}); "
+                               "install `hpcrl[megatron]` on the GPU nodes, or use train_engine: torch") from e
+        return MegatronEngine(model_dir, head, optim, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.temperature,
+                              cfg.seed)
+    if head == "values":
+        module, forward = ValueModel(model_dir), values_head
+    else:
+        module, forward = load_causal_lm(model_dir), log_probs_head(cfg.temperature, with_entropy=lr is not None)
+    return TorchTrainer(module, optim, forward, device, cfg.precision)
+
+
+def ppo_updates(engine, batch: Batch, cfg: PPOConfig, world_size: int, seed: list[int], loss_fn) -> dict:
+    """cfg.ppo_epochs passes over this rank's shard, each in a fresh seeded order, one optimizer step
+    per mini-batch. Returns the stats averaged over the optimizer steps."""
+    per_rank = max(1, cfg.mini_batch_size // world_size)
+    steps = []
+    for epoch in range(cfg.ppo_epochs):
+        order = np.random.default_rng([*seed, epoch]).permutation(len(batch))
+        for mb in batch.reorder(order).split(per_rank):
+            steps.append(engine.train_step(mb, loss_fn))
+    return {k: float(np.mean([s[k] for s in steps])) for k in steps[0]} if steps else {}
+
+
+def local_share(mask: torch.Tensor, total_tokens: float) -> float:
+    """This micro-batch's share of the mini-batch's tokens (to report losses as per-token means)."""
+    return max(float(mask.sum()), 1.0) / max(total_tokens, 1.0)

