@@ -170,7 +170,11 @@ def learning_spec(name):
 
 @pytest.mark.parametrize("job", ["tiny-cpu.yaml", "tiny-cpu-grpo.yaml"])
 def test_the_tiny_jobs_learn_locally(tmp_path, job):
-    """The full runs of jobs/tiny-cpu*.yaml in local mode (about 75 s each on 2 cores)."""
+    """The full runs of jobs/tiny-cpu*.yaml in local mode (about 100 s each on 2 cores). The mean of
+    the last 10 steps over seeds 1-5 (PPO) and 1-3 (GRPO, and PPO with vLLM) was 0.970-0.999, the
+    hetjob's equal to the local run's; the earlier settings (actor_lr 1e-3, entropy_coef 0.01),
+    whose policy grew sure of wrong digits, ended at 0.80-0.89 on most seeds. So the bar of 0.9
+    sits 0.07 below every run seen and still fails such a collapse."""
     cfg = PPOConfig.from_dict({**learning_spec(job), "progress": False})
     records = run_local(tmp_path, cfg)
     first = np.mean([r["reward/mean"] for r in records[:5]])
@@ -191,7 +195,8 @@ def test_ppo_hetjob_learns_on_the_local_cluster(slurm_cluster, tmp_path):
         next((run / "logs").glob("slurm-*.out")).name).read_text()
     assert f"metrics: {run / 'metrics.jsonl'}" in out.stdout and "reward/mean" in out.stdout
     records = read_metrics(run / "metrics.jsonl")
-    assert len(records) == learning_spec("tiny-cpu.yaml")["total_steps"]
+    total = learning_spec("tiny-cpu.yaml")["total_steps"]
+    assert len(records) == total
     assert np.mean([r["reward/mean"] for r in records[:5]]) <= 0.15
     assert np.mean([r["reward/mean"] for r in records[-10:]]) >= 0.9
     alloc = json.loads((run / "allocation.json").read_text())
@@ -209,7 +214,7 @@ def test_ppo_hetjob_learns_on_the_local_cluster(slurm_cluster, tmp_path):
     assert [c["state"] for c in st["components"]] == ["COMPLETED"] * 3
     assert {r: c["partition"] for c in st["components"] for r in c["roles"]} == {
         "actor_rollout": "a100", "critic": "h100", "ref": "cpu", "reward": "cpu"}
-    assert st["run"]["state"] == "finished" and st["run"]["step"] == 200 and st["checkpoint"]["step"] == 200
+    assert st["run"]["state"] == "finished" and st["run"]["step"] == total and st["checkpoint"]["step"] == total
     for role, info in st["run"]["roles"].items():
         comp = next(c for c in st["components"] if role in c["roles"])
         assert info["state"] == "alive" and [r["node"] for r in info["ranks"]] == comp["nodes"], (role, info)
@@ -219,7 +224,7 @@ def test_ppo_hetjob_learns_on_the_local_cluster(slurm_cluster, tmp_path):
     sources = {line.split()[0] for line in merged}
     assert {"driver", "actor_rollout/rank0", "critic/rank0", "ref/rank0", "reward/rank0"} <= sources
     # by time: every role was built (in its own file) before the driver's first step (in the Slurm output)
-    first_step = next(i for i, line in enumerate(merged) if "step 1/200 " in line)
+    first_step = next(i for i, line in enumerate(merged) if f"step 1/{total} " in line)
     for role in st["run"]["roles"]:
         assert next(i for i, line in enumerate(merged) if f"[{role} rank0] rank 0 of 1 on node" in line) < first_step
 

@@ -100,7 +100,7 @@ def test_new_weights_reach_both_engines(groups):
 
 
 def test_tiny_job_learns_with_the_vllm_engine(tmp_path):
-    """jobs/tiny-cpu.yaml (200 steps) with rollout_engine: vllm: the torch engine's threshold."""
+    """jobs/tiny-cpu.yaml with rollout_engine: vllm: the torch engine's threshold."""
     import yaml
     from conftest import ROOT
 
