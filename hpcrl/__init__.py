@@ -3,11 +3,21 @@
     import hpcrl
     spec = hpcrl.load_spec("jobs/tiny-cpu.yaml")
     job = hpcrl.submit(spec, via="sbatch")      # job.job_id, job.state(), job.wait(), job.logs(role)
+
+The names below are imported when first used, so `import hpcrl` (and every `python -m hpcrl.<step>`
+of a batch script) loads nothing it does not need.
 """
 from hpcrl._version import __version__
-from hpcrl.job import JobSpec, SpecError, load_spec
-from hpcrl.launch.submit import submit
-from hpcrl.raycluster import connect
-from hpcrl.slurm.submit import JobHandle
 
-__all__ = ["JobSpec", "SpecError", "load_spec", "submit", "JobHandle", "connect", "__version__"]
+_API = {"JobSpec": "hpcrl.job", "SpecError": "hpcrl.job", "load_spec": "hpcrl.job",
+        "submit": "hpcrl.launch.submit", "JobHandle": "hpcrl.slurm.submit", "connect": "hpcrl.raycluster"}
+
+__all__ = [*_API, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _API:
+        import importlib
+
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'hpcrl' has no attribute {name!r}")
