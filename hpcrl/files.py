@@ -1,8 +1,14 @@
-"""Writes that survive a crash: a reader sees the old file or the new one, never a part of one."""
+"""Writes that survive a crash (a reader sees the old file or the new one, never a part of one),
+and where downloads are kept."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """hpcrl's downloads (a model, a dataset's source file), kept between runs: $XDG_CACHE_HOME/hpcrl."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hpcrl"
 
 
 def fsync_dir(path: Path) -> None:

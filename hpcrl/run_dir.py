@@ -15,7 +15,7 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
             logs/              slurm-<job id>.out, <role>/rank<k>.log, ray/<node>.log
             ckpt/              the checkpoint store (its own layout: hpcrl/checkpoint/store.py)
             model/ prompts.jsonl   the built-in task's model and prompts, when the spec gives none
-            cache/ tensorboard/ report/ submitit/
+            cache/ tensorboard/ wandb/ report/ submitit/
 """
 from __future__ import annotations
 
@@ -92,6 +92,10 @@ class RunDir:
     @property
     def tensorboard(self) -> Path:
         return self.root / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.root / "wandb"
 
     @property
     def report(self) -> Path:

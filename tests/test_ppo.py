@@ -92,7 +92,7 @@ def test_a_critic_step_lowers_the_value_loss(inputs):
 def test_rule_reward_and_advantages_on_a_real_batch(inputs):
     cfg, model_dir, prompts = inputs
     _, batch = one_batch(cfg, model_dir, prompts)
-    reward = local_worker(RuleReward, str(model_dir), cfg.reward_fn)
+    reward = local_worker(RuleReward, str(model_dir), cfg.reward_function())
     scores = reward.compute_scores(batch)["scores"]
     expected = [copy_task.score(p, TOK.decode(r)) for p, r in zip(batch["prompt"], batch["responses"])]
     assert scores.tolist() == pytest.approx(expected)

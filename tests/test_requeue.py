@@ -17,10 +17,10 @@ from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import PPOConfig
 
 
-def final_state(run, step) -> dict:
+def final_state(run, step, roles=("actor_rollout", "critic")) -> dict:
     """Every dataset of the trained roles' files at `step`, as numpy arrays."""
     out = {}
-    for role in ("actor_rollout", "critic"):
+    for role in roles:
         with h5py.File(run / "ckpt" / f"step_{step:08d}" / f"{role}.h5") as f:
             f.visititems(lambda name, obj: out.__setitem__(f"{role}/{name}", obj[()]) if isinstance(obj, h5py.Dataset) else None)
     return out
@@ -30,8 +30,8 @@ def bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
-def assert_same_training(a, b, steps):
-    sa, sb = final_state(a, steps), final_state(b, steps)
+def assert_same_training(a, b, steps, roles=("actor_rollout", "critic")):
+    sa, sb = final_state(a, steps, roles), final_state(b, steps, roles)
     assert sa.keys() == sb.keys()
     differ = [k for k in sa if not (sa[k].dtype == sb[k].dtype and np.array_equal(bits(sa[k]), bits(sb[k])))]
     assert not differ, f"{len(differ)} datasets differ, e.g. {differ[:3]}"

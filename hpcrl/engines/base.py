@@ -26,8 +26,9 @@ class TrainEngine(Protocol):
     state_replicated: bool
     """Every rank holds the whole state (one rank, DDP), so any rank may write any part of it."""
 
-    def infer(self, batch: Batch, micro_batch_size: int) -> Batch:
-        """forward over the batch without gradients; float32 results on the CPU."""
+    def infer(self, batch: Batch, micro_batch_size: int, micro_batch_tokens: int = 0) -> Batch:
+        """forward over the batch without gradients, in micro-batches of at most this many samples
+        (and tokens, where the engine can: hpcrl/engines/micro_batches.py); float32 results on the CPU."""
 
     def train_step(self, batch: Batch, loss_fn: LossFn, mask_key: str = "response_mask") -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch; the stats summed over its pieces."""
@@ -44,7 +45,7 @@ class TrainEngine(Protocol):
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = 1.0    # 0: greedy
     top_p: float = 1.0
     top_k: int = 0          # 0: no top-k
 

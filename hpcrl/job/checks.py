@@ -5,8 +5,9 @@
     environment_problems(spec)    the job's interpreter: mpi4py for bootstrap: mpi, h5py with MPI for
                                   checkpoint_io: parallel
     problems_before_submit(spec, job, cluster)
-                                  the interpreter's problems, and the live cluster's (scontrol:
-                                  partitions, GRES, limits), as validate, render and submit run them
+                                  the interpreter's problems, and against the live cluster (scontrol:
+                                  partitions, GRES, limits) and its storage (the files the training
+                                  settings name), as validate, render and submit run them
 """
 from __future__ import annotations
 
@@ -107,4 +108,7 @@ def environment_problems(spec: JobSpec) -> list[str]:
 def problems_before_submit(spec: JobSpec, job: HetJob, cluster: ClusterInfo | None) -> list[str]:
     """The interpreter's problems and, given the live cluster (None: offline), the cluster's; the
     spec's own problems were found when it was loaded."""
-    return environment_problems(spec) + (cluster.check(job) if cluster is not None else [])
+    if cluster is None:
+        return environment_problems(spec)
+    missing = PPOConfig.from_dict(spec.train).missing_paths() if spec.train else []
+    return environment_problems(spec) + missing + cluster.check(job)

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from hpcrl.job.checks import spec_problems
 from hpcrl.job.spec import JobSpec, RoleSpec, SpecError
+from hpcrl.ppo.config import PPOConfig
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -53,6 +54,7 @@ def parse_spec(data: Any, source: str = "spec", run_dir: str | Path | None = Non
     if problems:
         raise SpecError(problems, source)
     spec.run_dir = spec.run_dir.expanduser().resolve()
+    spec.train = PPOConfig.resolve_paths(spec.train, Path.cwd())
     spec._source = source
     return spec
 

@@ -101,12 +101,26 @@ class RoleSpec(BaseModel):
         return Gres("gpu", self.gpu_type, self.gpus_per_node) if self.gpus_per_node else None
 
 
+class WandbSpec(BaseModel):
+    """A Weights & Biases run of the job (needs the wandb package: pip install 'hpcrl[wandb]')."""
+    model_config = ConfigDict(extra="forbid")
+
+    project: str
+    entity: str | None = None
+    name: str | None = None
+    """The run's name in W&B; None: W&B chooses one."""
+    mode: Literal["offline", "online"] = "offline"
+    """offline: written to RUN_DIR/wandb/ only (compute nodes often have no network; `wandb sync` later)."""
+
+
 class MetricsSpec(BaseModel):
     """Where the per-step metrics go besides RUN_DIR/metrics.jsonl."""
     model_config = ConfigDict(extra="forbid")
 
     tensorboard: bool = False
     """Also write TensorBoard events to RUN_DIR/tensorboard/ (needs the tensorboard package)."""
+    wandb: WandbSpec | None = None
+    """Also log every step to Weights & Biases."""
 
 
 class JobSpec(BaseModel):
@@ -141,7 +155,7 @@ class JobSpec(BaseModel):
     train: dict[str, Any] = Field(default_factory=dict)
     """Training settings, read by the trainer."""
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
-    """metrics.tensorboard: true adds TensorBoard output."""
+    """metrics.tensorboard: true adds TensorBoard output; metrics.wandb: {project: ...} a W&B run."""
     _source: str = PrivateAttr("")
 
     @field_validator("name")

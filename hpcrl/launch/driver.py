@@ -37,7 +37,7 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     else:
         connect(paths.root)
     try:
-        return train(cfg, paths.root, stop=stop, tensorboard=spec.metrics.tensorboard)
+        return train(cfg, paths.root, stop=stop, metrics=spec.metrics.model_dump())
     finally:
         ray.shutdown()
 

@@ -10,17 +10,27 @@ from hpcrl.models.causal_lm import position_ids
 
 class ValueModel(torch.nn.Module):
     """V(prefix) for every position. Backbone and head from a causal LM directory (the actor's: a
-    fresh head) or from a sequence-scoring reward model directory (its score head as the start)."""
+    fresh head), from a sequence-scoring reward model directory (its score head as the start), or
+    from a value model `hpcrl export --role critic` wrote (a token classifier: its head as it is)."""
 
     def __init__(self, model_dir: Path):
         super().__init__()
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
         cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        self.backbone = AutoModel.from_pretrained(model_dir, local_files_only=True)
+        self.backbone = AutoModel.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
         self.head = torch.nn.Linear(cfg.hidden_size, 1)
-        if any("ForSequenceClassification" in a for a in (cfg.architectures or [])):
-            scorer = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True)
+        architectures = cfg.architectures or []
+        if any("ForTokenClassification" in a for a in architectures):
+            from transformers import AutoModelForTokenClassification
+
+            values = AutoModelForTokenClassification.from_pretrained(model_dir, local_files_only=True,
+                                                                     dtype=torch.float32)
+            head = getattr(values, "score", None) or values.classifier
+            self.head.load_state_dict({"weight": head.weight.data[:1], "bias": head.bias.data[:1]})
+        elif any("ForSequenceClassification" in a for a in architectures):
+            scorer = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True,
+                                                                        dtype=torch.float32)
             self.head.weight.data.copy_(scorer.score.weight.data[:1])
             self.head.bias.data.zero_()
         else:

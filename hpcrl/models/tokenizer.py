@@ -1,16 +1,49 @@
-"""A character tokenizer that ships with hpcrl, saved beside the model so every role reads the same.
+"""Tokenizers behind one interface: the model directory's own Hugging Face tokenizer, or the
+built-in task's character tokenizer (saved beside the tiny model it goes with).
 
-Ids 0, 1, 2 are pad, bos, eos (pad ≠ eos: a padded position never reads as a stop)."""
+    tok = load_tokenizer(model_dir)
+    tok.encode("12+7=")                   plain text, as the tokenizer encodes it (with its bos, if it adds one)
+    tok.encode_chat([{"role": "user", "content": "..."}])    the chat template, with the generation prompt
+    tok.decode(ids)                       the text up to the first stop token, special tokens dropped
+    tok.stop_ids                          generation ends at any of these
+    tok.pad_id                            fills prompts and responses; never a stop token
+
+Every role loads the tokenizer from the same directory, so they all agree on every id.
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable, Protocol
 
 FILE = "hpcrl_tokenizer.json"
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
 
+class Tokenizer(Protocol):
+    vocab_size: int
+    pad_id: int
+    stop_ids: list[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    """The tokenizer of a model directory: hpcrl's own character tokenizer where one was saved
+    there (the built-in task's tiny model), else the directory's Hugging Face tokenizer."""
+    model_dir = Path(model_dir)
+    if (model_dir / FILE).exists():
+        return CharTokenizer.load(model_dir)
+    return HFTokenizer(model_dir)
+
+
 class CharTokenizer:
+    """One id per character of an alphabet; ids 0, 1, 2 are pad, bos, eos (pad ≠ eos: a padded
+    position never reads as a stop)."""
     pad_id, bos_id, eos_id = 0, 1, 2
 
     def __init__(self, chars: str):
@@ -23,11 +56,18 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return len(SPECIALS) + len(self.chars)
 
+    @property
+    def stop_ids(self) -> list[int]:
+        return [self.eos_id]
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         unknown = sorted(set(text) - set(self.index))
         if unknown:
             raise ValueError(f"characters {unknown} are not in the tokenizer's alphabet {self.chars!r}")
         return ([self.bos_id] if bos else []) + [self.index[c] for c in text]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        raise ValueError("the built-in task's character tokenizer has no chat template: give prompts as text")
 
     def decode(self, ids) -> str:
         """Text of the ids up to the first eos, specials dropped."""
@@ -48,3 +88,57 @@ class CharTokenizer:
         if not path.exists():
             raise FileNotFoundError(f"{path} missing: the model directory was not made by hpcrl.models.create_model_dir")
         return cls(json.loads(path.read_text())["chars"])
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer from the model directory (never the hub). Its stop tokens are the
+    tokenizer's eos and every eos id of the model's generation_config.json (chat models often
+    have several, e.g. <|im_end|> and <|endoftext|>). Its pad is the tokenizer's pad where that is
+    no stop token, else its unk, bos, or the lowest id that is not a stop token (many chat
+    tokenizers pad with their eos, which would read as a stop)."""
+
+    def __init__(self, model_dir: str | Path):
+        from transformers import AutoTokenizer
+
+        self.model_dir = Path(model_dir)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{self.model_dir}: no tokenizer that transformers can load here ({e}); a model "
+                             "directory needs its tokenizer files (tokenizer.json or its vocabulary)") from None
+        self.stop_ids = sorted(set(_ids(self.tok.eos_token_id) + _ids(_generation_eos(self.model_dir))))
+        if not self.stop_ids:
+            raise ValueError(f"{self.model_dir}: the tokenizer names no eos token and generation_config.json no "
+                             "eos_token_id, so generation could never stop; set one of them")
+        self.pad_id = next(i for i in (self.tok.pad_token_id, self.tok.unk_token_id, self.tok.bos_token_id,
+                                       *range(len(self.tok))) if i is not None and i not in self.stop_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not self.tok.chat_template:
+            raise ValueError(f"{self.model_dir}: the tokenizer has no chat template; give prompts as text, "
+                             "not as messages")
+        text = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])   # the template holds its specials
+
+    def decode(self, ids: Iterable[int]) -> str:
+        ids = [int(i) for i in ids]
+        cut = next((k for k, i in enumerate(ids) if i in self.stop_ids), len(ids))
+        return self.tok.decode(ids[:cut], skip_special_tokens=True)
+
+
+def _generation_eos(model_dir: Path):
+    path = model_dir / "generation_config.json"
+    return json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

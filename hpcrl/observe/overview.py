@@ -91,6 +91,12 @@ def format_status(st: dict) -> str:
                 lines.append(f"  {'':16s} last error: {role['last_error']}")
     else:
         lines.append("run: no driver status (not started yet, or the spec has no train: section)")
+    val = (run or {}).get("validation")
+    if val:
+        sources = [f"{k.removeprefix('val/score/')} {v:.3f}" for k, v in val.items() if k.startswith("val/score/")]
+        lines.append(f"validation: after step {val['step']}, score {val['val/score']:.3f}"
+                     + (f" ({', '.join(sources)})" if sources else "")
+                     + f", response length {val['val/response_length/mean']:.1f} tokens")
     ck = st["checkpoint"]
     lines.append(f"checkpoint: step {ck['step']}, committed {_age(ck['committed_at'])}, {ck['path']}" if ck
                  else "checkpoint: none committed yet")

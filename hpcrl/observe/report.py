@@ -16,14 +16,16 @@ from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events, read_status
 from hpcrl.run_dir import RunDir
 
-# (file, title, [(metric key, label)], y label)
+# (file, title, [(metric key, label)], y label); a key ending in * stands for every key it starts
 CURVES = [
     ("reward.png", "Reward", [("reward/mean", "mean"), ("reward/max", "max")], "score"),
+    ("validation.png", "Held-out score", [("val/score", "all"), ("val/score/*", "")], "score"),
     ("kl.png", "KL to the reference", [("kl", "KL"), ("kl_coef", "KL coefficient β")], "KL"),
     ("losses.png", "Losses", [("actor/pg_loss", "policy loss"), ("critic/vf_loss", "value loss")], "loss"),
     ("clipfrac.png", "PPO clip fraction", [("actor/clipfrac", "clip fraction")], "fraction of tokens"),
     ("entropy.png", "Policy entropy", [("actor/entropy", "entropy")], "nats per token"),
-    ("response_length.png", "Response length", [("response_length/mean", "mean")], "tokens"),
+    ("response_length.png", "Response length", [("response_length/mean", "mean"), ("response_length/max", "max"),
+                                                 ("val/response_length/mean", "held-out mean")], "tokens"),
     ("throughput.png", "Throughput", [("throughput/tokens_per_s", "tokens/s")], "tokens / s"),
 ]
 
@@ -37,15 +39,28 @@ def restarts(events: list[dict]) -> list[int]:
 TWIN = {"kl_coef"}   # plotted on a right-hand axis of its own scale
 
 
+def expand(series, records) -> list[tuple[str, str]]:
+    """The series with each `prefix*` replaced by every key of the records that starts with prefix."""
+    out = []
+    for key, label in series:
+        if key.endswith("*"):
+            prefix = key[:-1]
+            out += [(k, k.removeprefix(prefix)) for k in sorted({k for r in records for k in r if k.startswith(prefix)})]
+        else:
+            out.append((key, label))
+    return out
+
+
 def _plot_curves(ax, records, series, restart_steps):
-    steps = [r["step"] for r in records]
     lines = []
-    for i, (key, label) in enumerate(series):
-        ys = [r.get(key) for r in records]
-        if any(y is not None for y in ys):
+    for i, (key, label) in enumerate(expand(series, records)):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
             where = ax.twinx() if key in TWIN else ax
-            lines += where.plot(steps, [float("nan") if y is None else y for y in ys], label=label, linewidth=1.2,
-                                color=f"C{i}")
+            sparse = len(points) < len(records) / 2      # validation: a point every val_every steps
+            xs, ys = zip(*points)
+            lines += where.plot(xs, ys, label=label, linewidth=1.2, color=f"C{i}", marker="o" if sparse else None,
+                                markersize=3)
             if key in TWIN:
                 where.set_ylabel(label)
     if len(lines) > 1:
@@ -101,7 +116,7 @@ def write_report(run_dir: Path) -> Path:
     out.mkdir(exist_ok=True)
     figures = []
     for name, title, series, ylabel in CURVES:
-        if not any(r.get(key) is not None for r in records for key, _ in series):
+        if not any(r.get(key) is not None for r in records for key, _ in expand(series, records)):
             continue
         fig, ax = plt.subplots(figsize=(7, 3.6))
         _plot_curves(ax, records, series, restart_steps)
@@ -121,6 +136,14 @@ def write_report(run_dir: Path) -> Path:
     index = out / "index.html"
     index.write_text(_html(run_dir, records, events, restart_steps, figures))
     return index
+
+
+def _trend(name: str, records: list[dict], key: str) -> list[tuple[str, str]]:
+    """("name", "first at step a → last at step b"), or nothing where no record has the key."""
+    if not records:
+        return []
+    first, last = records[0], records[-1]
+    return [(name, f"{first[key]:.3f} at step {first['step']} → {last[key]:.3f} at step {last['step']}")]
 
 
 def _html(run_dir, records, events, restart_steps, figures) -> str:
@@ -144,7 +167,8 @@ def _html(run_dir, records, events, restart_steps, figures) -> str:
              ("state", f"{status.get('state', '?')}, step {last['step']} of {status.get('total_steps', '?')}"),
              ("restarts", f"{len(restart_steps)}" + (f" (resumed at steps {', '.join(map(str, restart_steps))})" if restart_steps else "")),
              ("checkpoints", f"{len(ckpts)}" + (f", last at step {ckpts[-1]['step']}" if ckpts else "")),
-             ("reward", f"{records[0]['reward/mean']:.3f} at step {records[0]['step']} → {last['reward/mean']:.3f} at step {last['step']}"),
+             *_trend("reward", [r for r in records if "reward/mean" in r], "reward/mean"),
+             *_trend("held-out score", [r for r in records if "val/score" in r], "val/score"),
              ("written", time.strftime("%Y-%m-%d %H:%M:%S"))]
     train = "".join(f"<tr><td>{e(str(k))}</td><td>{e(json.dumps(v))}</td></tr>" for k, v in spec.get("train", {}).items())
     imgs = "".join(f'<figure><img src="{e(name)}" alt="{e(title)}"><figcaption>{e(title)}</figcaption></figure>'

@@ -25,7 +25,7 @@ class RunStatus:
         self.groups: dict = {}
         self.doc = {"state": "starting", "step": 0, "total_steps": total_steps, "phase": "starting the roles",
                     "phase_since": time.time(), "started": time.time(), "pid": os.getpid(), "last_checkpoint": None,
-                    "error": None}
+                    "validation": None, "error": None}
         self.write()
 
     def attach(self, groups: dict) -> None:
@@ -37,6 +37,11 @@ class RunStatus:
 
     def phase(self, step: int, phase: str) -> None:
         self.doc.update(state="running", step=step, phase=phase, phase_since=time.time())
+        self.write()
+
+    def validated(self, step: int, scores: dict[str, float]) -> None:
+        """The newest validation's scores (val/score, per data source, response lengths)."""
+        self.doc["validation"] = {"step": step, **scores}
         self.write()
 
     def event(self, kind: str, **fields) -> dict:

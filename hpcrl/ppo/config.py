@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 
@@ -23,18 +24,38 @@ class PPOConfig:
 
     # --- data and task
     dataset: str = ""
-    """JSONL of prompts ({"prompt": text} or {"prompt_ids": [...]}, extra fields go to the reward
-    function); empty: the built-in copy task writes RUN_DIR/prompts.jsonl"""
+    """training prompts, JSONL or Parquet: {"prompt": text | chat messages} or {"prompt_ids": [...]},
+    verl's format as it is (data_source, prompt, reward_model.ground_truth, extra_info); every other
+    field goes to the reward function (hpcrl/ppo/data.py). Empty: the built-in copy task writes
+    RUN_DIR/prompts.jsonl"""
+    max_prompt_length: int = 0
+    """prompts longer than this many tokens are left out (counted in the log), never cut; 0: no limit"""
     task_digits: int = 2
     """copy task: digits per prompt ("12=" must be answered "12")"""
     task_prompts: int = 4096
     """copy task: distinct prompts generated"""
-    reward_fn: str = "hpcrl.ppo.tasks.copy_digits:score"
-    """rule reward `module:function`, called as fn(prompt, response, **fields) -> float in the reward role"""
+    reward_fn: str = ""
+    """rule reward `module:function`, called as fn(prompt, response, **fields) -> float in the reward
+    role. Empty: with a dataset, the built-in scorer of each sample's data_source (GSM8K, MATH,
+    reasoning-gym…: hpcrl/ppo/rewards.py); without one, the copy task's rule"""
+    reward_batched: bool = False
+    """reward_fn takes the whole batch: fn(prompts, responses, **fields as lists) -> a score per sample"""
     reward_model_dir: str = ""
     """a sequence-scoring HF model directory; when set it scores instead of reward_fn"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a response that never emitted the stop token"""
+
+    # --- validation
+    val_dataset: str = ""
+    """held-out prompts, in the same formats as dataset; empty: no validation"""
+    val_every: int = 0
+    """validate after every this many steps (and after the last); 0: only as val_before_train says"""
+    val_before_train: bool = False
+    """validate once before the first step (recorded as step 0 in metrics.jsonl)"""
+    val_samples: int = 1
+    """responses per held-out prompt"""
+    val_temperature: float = 0.0
+    """sampling temperature of validation; 0: greedy"""
 
     # --- model
     model_dir: str = ""
@@ -119,6 +140,10 @@ class PPOConfig:
     """samples per optimizer step (across the role's ranks)"""
     micro_batch_size: int = 32
     """samples per forward/backward on one rank (gradient accumulation below mini_batch_size)"""
+    micro_batch_tokens: int = 0
+    """> 0: a micro-batch also holds at most this many tokens (rows × (longest prompt + longest
+    response), the padding all its rows share cut away), so long and short samples neither run out of
+    memory nor compute on padding (torch engine)"""
     actor_lr: float = 1e-3
     """actor AdamW learning rate"""
     critic_lr: float = 2e-3
@@ -172,6 +197,31 @@ class PPOConfig:
     progress: bool = True
     """a progress bar on the console"""
 
+    PATHS = ("model_dir", "dataset", "val_dataset", "reward_model_dir", "critic_init", "cache_dir")
+    """Settings that name files or folders: taken relative to where the spec is loaded, as run_dir is
+    (the job's steps run in the run directory)."""
+
+    @classmethod
+    def resolve_paths(cls, data: dict, base: Path) -> dict:
+        """data with its path settings absolute (critic_init "actor" is not a path)."""
+        out = dict(data)
+        for name in cls.PATHS:
+            value = out.get(name)
+            if isinstance(value, str) and value and not (name == "critic_init" and value == "actor"):
+                out[name] = str((base / Path(value).expanduser()).resolve())
+        return out
+
+    def missing_paths(self) -> list[str]:
+        """The path settings that name nothing here (checked before submission: the login node sees
+        the shared filesystem the job will read them from)."""
+        problems = []
+        for name in self.PATHS:
+            value = getattr(self, name)
+            if value and not (name == "critic_init" and value == "actor") and name != "cache_dir" \
+                    and not Path(value).exists():
+                problems.append(f"train.{name}: {value} does not exist (a path on storage every node sees)")
+        return problems
+
     @classmethod
     def from_dict(cls, data: dict | None, where: str = "train") -> PPOConfig:
         """Unknown or ill-typed settings are errors that name the field."""
@@ -218,7 +268,25 @@ class PPOConfig:
             p.append(f"micro_batch_size: {self.micro_batch_size} is larger than mini_batch_size {self.mini_batch_size}")
         if self.dual_clip and self.dual_clip <= 1:
             p.append(f"dual_clip: must be > 1 (or 0 for off), got {self.dual_clip}")
+        if (self.val_every or self.val_before_train) and not self.val_dataset:
+            p.append("val_dataset: missing; val_every / val_before_train validate on it (give a JSONL or Parquet "
+                     "file of held-out prompts)")
+        for name in ("val_every", "max_prompt_length", "micro_batch_tokens"):
+            if getattr(self, name) < 0:
+                p.append(f"{name}: must be ≥ 0 (0: off), got {getattr(self, name)}")
+        if self.micro_batch_tokens and self.train_engine == "megatron":
+            p.append("micro_batch_tokens: needs train_engine: torch (megatron's pipeline sends micro-batches of "
+                     "one shape); set it to 0")
+        if self.val_samples < 1:
+            p.append(f"val_samples: must be ≥ 1, got {self.val_samples}")
+        if self.val_temperature < 0:
+            p.append(f"val_temperature: must be ≥ 0 (0: greedy), got {self.val_temperature}")
         return p
+
+    def reward_function(self) -> str:
+        """reward_fn, or its default: each sample's data_source scorer with a dataset, the copy task's rule without."""
+        return self.reward_fn or ("hpcrl.ppo.rewards:by_data_source" if self.dataset else
+                                  "hpcrl.ppo.tasks.copy_digits:score")
 
     def placement_problems(self, places: dict[str, RolePlace]) -> list[str]:
         """What these settings need of the spec's roles: every role they run placed, colocated roles

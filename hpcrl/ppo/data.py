@@ -1,4 +1,17 @@
-"""Prompts from a JSONL file with a deterministic, resumable cursor."""
+"""Prompts from JSONL or Parquet (verl's format, read as it is), with a deterministic, resumable cursor.
+
+A row is one of
+    {"prompt": "text"}                                         encoded as it is
+    {"prompt": [{"role": "user", "content": "..."}, ...]}      chat messages: the tokenizer's chat
+                                                               template, with the generation prompt
+    {"prompt_ids": [1, 2, 3]}                                  token ids
+and every other field travels with the sample to the reward function. verl's columns are read
+as verl writes them: `data_source`, `prompt` (messages), `ability`, `reward_model` ({style,
+ground_truth}) and `extra_info`; the reward also gets `ground_truth` as a field of its own.
+
+Prompts longer than `max_prompt_length` tokens are left out, counted and said once; a prompt is
+never cut, since a cut question is a different question.
+"""
 from __future__ import annotations
 
 import json
@@ -9,21 +22,92 @@ import torch
 
 from hpcrl.controller.batch import Batch
 
+PARQUET = (".parquet", ".pq")
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """Every row of a JSONL or Parquet file, as dicts."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such dataset file")
+    if path.suffix in PARQUET:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    rows = []
+    for k, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise ValueError(f"{path}:{k + 1}: not a JSON object ({e})") from None
+    return rows
+
+
+def write_rows(rows: list[dict], path: str | Path) -> Path:
+    """Rows to JSONL or Parquet (by the suffix), written under a temporary name and renamed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if path.suffix in PARQUET:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+    else:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+    return path
+
+
+def prompt_ids(row: dict, tokenizer) -> list[int]:
+    if "prompt_ids" in row:
+        return [int(i) for i in row["prompt_ids"]]
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return tokenizer.encode_chat(list(prompt))
+
+
+def reward_fields(row: dict) -> dict:
+    """What the reward function gets of a row besides the prompt: every field, and verl's
+    reward_model.ground_truth as `ground_truth`."""
+    fields = {k: v for k, v in row.items() if k not in ("prompt", "prompt_ids")}
+    reward_model = row.get("reward_model")
+    if isinstance(reward_model, dict) and "ground_truth" in reward_model and "ground_truth" not in fields:
+        fields["ground_truth"] = reward_model["ground_truth"]
+    return fields
+
 
 class PromptDataset:
-    """Each line {"prompt": text} or {"prompt_ids": [...]}; other fields travel with the sample to the
-    reward function. Epoch e visits the prompts in the order permutation(seed, e); the cursor
-    (epoch, offset) is all that is needed to continue exactly."""
+    """Epoch e visits the kept prompts in the order permutation(seed, e); the cursor (epoch,
+    offset) is all that is needed to continue exactly. `in_order` walks them once, unshuffled
+    (validation)."""
 
-    def __init__(self, path: Path, tokenizer, batch_size: int, seed: int):
-        self.rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        if not self.rows:
+    def __init__(self, path: Path, tokenizer, batch_size: int, seed: int, max_prompt_length: int = 0):
+        rows = read_rows(path)
+        if not rows:
             raise ValueError(f"{path}: no prompts")
-        for i, r in enumerate(self.rows):
+        ids = []
+        for i, r in enumerate(rows):
             if "prompt_ids" not in r and "prompt" not in r:
-                raise ValueError(f"{path}:{i + 1}: a line needs 'prompt' (text) or 'prompt_ids'")
+                raise ValueError(f"{path}: row {i + 1} needs 'prompt' (text or chat messages) or 'prompt_ids' "
+                                 f"(it has: {', '.join(r) or 'nothing'})")
+            try:
+                ids.append(prompt_ids(r, tokenizer))
+            except (ValueError, TypeError, KeyError) as e:
+                raise ValueError(f"{path}: row {i + 1}: {e}") from None
+        keep = [i for i, seq in enumerate(ids) if not max_prompt_length or len(seq) <= max_prompt_length]
+        self.too_long = len(rows) - len(keep)
+        if not keep:
+            raise ValueError(f"{path}: every one of its {len(rows)} prompts is longer than max_prompt_length "
+                             f"{max_prompt_length} tokens (the longest has {max(map(len, ids))})")
+        self.rows, self.ids, self.index = [rows[i] for i in keep], [ids[i] for i in keep], keep
         self.tokenizer, self.batch_size, self.seed = tokenizer, batch_size, seed
         self.epoch, self.offset = 0, 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
     def _order(self) -> np.ndarray:
         return np.random.default_rng([self.seed, self.epoch]).permutation(len(self.rows))
@@ -37,22 +121,41 @@ class PromptDataset:
             self.offset += len(take)
             if self.offset >= len(order):
                 self.epoch, self.offset = self.epoch + 1, 0
-        rows = [self.rows[i] for i in picked]
-        ids = [r["prompt_ids"] if "prompt_ids" in r else self.tokenizer.encode(r["prompt"]) for r in rows]
+        return self.batch(picked)
+
+    def in_order(self, size: int):
+        """Every kept prompt once, in file order, `size` at a time."""
+        for start in range(0, len(self.rows), size):
+            yield self.batch(list(range(start, min(start + size, len(self.rows)))))
+
+    def batch(self, picked: list[int]) -> Batch:
+        """Left-padded prompt ids (every prompt ends where the response starts) and the rows' fields."""
+        ids = [self.ids[i] for i in picked]
         width = max(map(len, ids))
-        prompt_ids = torch.full((len(ids), width), self.tokenizer.pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, seq in enumerate(ids):   # left padding: every prompt ends where the response starts
-            prompt_ids[i, width - len(seq):] = torch.tensor(seq)
-            prompt_mask[i, width - len(seq):] = 1
-        extra = sorted({k for r in rows for k in r} - {"prompt", "prompt_ids"})
-        arrays = {"index": np.array(picked), "prompt": np.array([r["prompt"] if "prompt" in r else self.tokenizer.decode(seq)
-                                                    for r, seq in zip(rows, ids)], dtype=object),
-                  **{k: np.array([r.get(k) for r in rows], dtype=object) for k in extra}}
-        return Batch({"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}, arrays)
+        prompt = torch.full((len(ids), width), self.tokenizer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids), width), dtype=torch.long)
+        for i, seq in enumerate(ids):
+            prompt[i, width - len(seq):] = torch.tensor(seq)
+            mask[i, width - len(seq):] = 1
+        rows = [self.rows[i] for i in picked]
+        fields = [reward_fields(r) for r in rows]
+        names = sorted({k for f in fields for k in f})
+        arrays = {"index": np.array([self.index[i] for i in picked]),
+                  "prompt": _objects([r["prompt"] if "prompt" in r else self.tokenizer.decode(seq)
+                                      for r, seq in zip(rows, ids)]),
+                  **{k: _objects([f.get(k) for f in fields]) for k in names}}
+        return Batch({"prompt_ids": prompt, "prompt_mask": mask}, arrays)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+def _objects(values: list) -> np.ndarray:
+    """A 1-d object array even when every value is a list (np.array would make it 2-d)."""
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out

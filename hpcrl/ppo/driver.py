@@ -8,6 +8,7 @@ Per step:
                   └─► reward.compute_scores             } rank to rank, not via the driver
     advantages on the driver (KL-shaped token rewards, GAE or GRPO)
     critic.update_critic ─► actor_rollout.update_actor (after critic_warmup) ─► weights to rollout
+    every val_every steps: the held-out prompts answered and scored (hpcrl/ppo/validation.py)
 
 Started by hpcrl/launch/driver.py, the one way in: inside a job (`python -m hpcrl.launch RUN_DIR`,
 what the batch script runs), through submitit, or locally (`hpcrl run SPEC --local`).
@@ -30,12 +31,14 @@ from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.controller import ResourcePool, WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.models import CharTokenizer, create_model_dir
+from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.observe.metrics import MetricsLog
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import PPOConfig
 from hpcrl.ppo.data import PromptDataset
 from hpcrl.ppo.roles import ActorRollout, Critic, Reference, RewardModel, Rollout, RuleReward
 from hpcrl.ppo.tasks import copy_digits as copy_task
+from hpcrl.ppo.validation import validate
 from hpcrl.run_dir import RunDir
 from hpcrl.stop import StopRequest
 
@@ -60,7 +63,7 @@ def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path) -> dict[
                "critic": (Critic, (str(model_dir), conf), {}),
                "ref": (Reference, (str(model_dir), conf), {}),
                "reward": ((RewardModel, (cfg.reward_model_dir,), {}) if cfg.reward_model_dir
-                          else (RuleReward, (str(model_dir), cfg.reward_fn), {}))}
+                          else (RuleReward, (str(model_dir), cfg.reward_function(), cfg.reward_batched), {}))}
     workers = {r: w for r, w in workers.items() if r in cfg.roles()}
     opts = {"log_dir": paths.logs, "restart_limit": cfg.restart_limit, "standby": cfg.standby}
 
@@ -138,21 +141,26 @@ class _Timer:
 
 
 def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
-          stop: StopRequest | None = None, tensorboard: bool = False) -> tuple[list[dict], str | None]:
+          stop: StopRequest | None = None, metrics: dict | None = None) -> tuple[list[dict], str | None]:
     """Train to cfg.total_steps, resuming from the run's newest good checkpoint. Returns (this
     call's metrics records, why it stopped early or None). RUN_DIR/status.json and events.jsonl
-    say what it is doing (hpcrl status, hpcrl report)."""
+    say what it is doing (hpcrl status, hpcrl report); `metrics` adds trackers (MetricsLog's
+    tensorboard, wandb)."""
     run_dir = Path(run_dir)
     status = RunStatus(run_dir, cfg.total_steps)
     model_dir, prompts_path = prepare_inputs(cfg, run_dir)
+    log = None
     try:
+        log = MetricsLog(run_dir, **(metrics or {}))
         groups = groups or build_worker_groups(cfg, model_dir, run_dir)
         status.attach(groups)
-        history, reason = _train(cfg, run_dir, model_dir, prompts_path, groups, status, stop or StopRequest(),
-                                 MetricsLog(run_dir, tensorboard))
+        history, reason = _train(cfg, run_dir, model_dir, prompts_path, groups, status, stop or StopRequest(), log)
     except BaseException as e:
         status.event("fail", step=status.doc["step"], error=f"{type(e).__name__}: {e}".strip().splitlines()[-1])
         raise
+    finally:
+        if log is not None:
+            log.close()
     if reason:
         status.event("stop", step=status.doc["step"], reason=reason)
     else:
@@ -174,7 +182,21 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
         status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))
         print(f"{_now()} checkpoint step {step} committed: {_size_rate(nbytes, seconds, 'written')}", flush=True)
 
-    dataset = PromptDataset(prompts_path, CharTokenizer.load(model_dir), cfg.batch_size, cfg.seed)
+    tokenizer = load_tokenizer(model_dir)
+    dataset = PromptDataset(prompts_path, tokenizer, cfg.batch_size, cfg.seed, cfg.max_prompt_length)
+    held_out = PromptDataset(Path(cfg.val_dataset), tokenizer, cfg.batch_size, cfg.seed, cfg.max_prompt_length) \
+        if cfg.val_dataset else None
+    for name, data in (("training", dataset), ("held-out", held_out)):
+        if data is not None and data.too_long:
+            print(f"{_now()} {data.too_long} of {data.too_long + len(data)} {name} prompts are longer than "
+                  f"max_prompt_length {cfg.max_prompt_length} tokens: left out", flush=True)
+
+    def validated(step: int) -> dict:
+        scores = validate(cfg, held_out, rollout or actor, reward, step)
+        status.validated(step, scores)
+        print(f"{_now()} validation after step {step}: " + "  ".join(f"{k.removeprefix('val/')} {v:.3f}"
+                                                                   for k, v in scores.items()), flush=True)
+        return scores
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
               else algo.FixedKLController(cfg.kl_coef))
     # the rollout role holds a copy of the actor's weights: nothing of its own to save
@@ -197,6 +219,10 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
             sync_weights()
     status.event("start", step=start, resumed=bool(resumed), total_steps=cfg.total_steps)
     history = []
+    if held_out is not None and cfg.val_before_train and start == 0:
+        status.phase(0, "validate")
+        history.append({"step": 0, "time": round(time.time(), 3), **validated(0)})
+        log.write(history[-1])
     bar = _progress(cfg, start)
     for step in range(start + 1, cfg.total_steps + 1):
         timer, t_step = _Timer(status, step), time.perf_counter()
@@ -232,9 +258,14 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
             with timer("sync_weights"):
                 sync_weights()
 
-        mask = batch["response_mask"]
-        step_s = time.perf_counter() - t_step
+        mask, lengths = batch["response_mask"], batch["response_mask"].sum(dim=1).float()
+        train_s = time.perf_counter() - t_step
         tokens = int(mask.sum() + batch["prompt_mask"].sum())
+        val_scores = {}
+        if held_out is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
+            with timer("validate"):
+                val_scores = validated(step)
+        step_s = time.perf_counter() - t_step
         record = {"step": step, "time": round(time.time(), 3),
                   "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
                   **kl_metrics,
@@ -243,8 +274,9 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
                   "actor/approx_kl": actor_stats.get("approx_kl"), "actor/grad_norm": actor_stats.get("grad_norm"),
                   "critic/vf_loss": critic_stats.get("vf_loss"),
                   "critic/vf_explained_var": explained_variance(batch["values"], batch["returns"], mask) if critic else None,
-                  "response_length/mean": float(mask.sum(dim=1).float().mean()),
-                  **timer.times, "timing/step": round(step_s, 4), "throughput/tokens_per_s": round(tokens / step_s, 1)}
+                  "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+                  "response_length/clip_ratio": float((~batch["has_eos"]).float().mean()), **val_scores,
+                  **timer.times, "timing/step": round(step_s, 4), "throughput/tokens_per_s": round(tokens / train_s, 1)}
         log.write(record)
         history.append(record)
         bar(record)

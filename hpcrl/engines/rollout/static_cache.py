@@ -20,6 +20,7 @@ from hpcrl.engines.rollout.torch_rollout import sample_loop
 from hpcrl.models.shape import Shape, rope_theta
 
 SUPPORTED = ("llama", "qwen2")
+CACHE_ROUND = 64
 
 
 class StaticCacheRollout:
@@ -146,7 +147,9 @@ class StaticCacheRollout:
             raise RuntimeError("StaticCacheRollout.generate before load_weights")
         dev = self.device
         b, p = prompt_ids.shape
-        length = p + params.max_new_tokens
+        # the cache's length rounded up, so that batches of slightly different prompt widths replay
+        # one captured graph (the slots past the real tokens stay masked out)
+        length = -(-(p + params.max_new_tokens) // CACHE_ROUND) * CACHE_ROUND
         graph, step, buf = self._buffers(b, length)
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev).bool()
         pos = (mask.long().cumsum(1) - 1).clamp_min(0)

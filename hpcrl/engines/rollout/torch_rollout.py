@@ -25,7 +25,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-    """One token per row from the processed distribution, and its log-probability under it."""
+    """One token per row from the processed distribution, and its log-probability under it;
+    temperature 0: the most likely token (greedy), with its log-probability at temperature 1."""
+    if params.temperature == 0:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        tok = logp.argmax(dim=-1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
     probs = torch.softmax(filter_logits(logits.float() / params.temperature, params.top_k, params.top_p), dim=-1)
     tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
     return tok, torch.log(probs.gather(1, tok[:, None]).squeeze(1).clamp_min(1e-30))

@@ -218,7 +218,9 @@ class MegatronEngine:
 
     # --- the engine interface
     @torch.no_grad()
-    def infer(self, batch: Batch, micro_batch_size: int) -> Batch:
+    def infer(self, batch: Batch, micro_batch_size: int, micro_batch_tokens: int = 0) -> Batch:
+        """micro_batch_tokens is not taken: the pipeline schedule sends tensors of one shape
+        between stages (PPOConfig refuses it with megatron)."""
         self.model.eval()
         group, mine = self._group_batch(batch)
         records = self._schedule(group.split(micro_batch_size), None)
@@ -274,7 +276,8 @@ class MegatronEngine:
         """Sharded: every rank's model shard and optimizer state, gathered to rank 0 of the role (a
         collective). Resuming needs the same TP × PP × DP layout; the weights alone convert to HF
         (`full_weights`) for any layout."""
-        mine = {"model": {k: p.detach().cpu() for k, p in self.bare.named_parameters()}}
+        mine = {"model": {k: p.detach().cpu() for k, p in self.bare.named_parameters()},
+                "coords": [self.pp_rank, self.tp_rank]}      # where the shard sits: for hpcrl export
         if self.cfg is not None:
             # each rank's own shard of the fp32 main weights and Adam moments, by parameter name
             mine.update(params=[{name: {k: v.detach().cpu().clone() for k, v in state.items()}

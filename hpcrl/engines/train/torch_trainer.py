@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.controller.batch import Batch
+from hpcrl.engines.micro_batches import micro_batches, pad_responses
 
 Forward = Callable[[torch.nn.Module, Batch], dict]
 
@@ -29,6 +30,7 @@ class OptimConfig:
     warmup_steps: int = 0          # optimizer steps of linear warm-up from 0, then constant
     grad_clip: float = 1.0
     micro_batch_size: int = 16
+    micro_batch_tokens: int = 0    # > 0: also at most this many (unpadded) tokens per micro-batch
 
 
 def lr_factor(cfg: OptimConfig):
@@ -51,17 +53,6 @@ def all_sum(x: float, device: torch.device, group=None) -> float:
     t = torch.tensor([x], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return float(t.item())
-
-
-def equal_micro_batches(batch: Batch, size: int, device: torch.device) -> list[Batch]:
-    """Micro-batches of at most `size`, the same number on every rank (sharded models run collectives
-    in each forward, so every rank must run as many)."""
-    n = max(1, -(-len(batch) // size))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = torch.tensor([n], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        n = int(t.item())
-    return batch.chunk(n)
 
 
 class TorchTrainer:
@@ -103,11 +94,12 @@ class TorchTrainer:
             return self.forward(module, mb.to(self.device))
 
     @torch.no_grad()
-    def infer(self, batch: Batch, micro_batch_size: int) -> Batch:
+    def infer(self, batch: Batch, micro_batch_size: int, micro_batch_tokens: int = 0) -> Batch:
         """forward over the batch in micro-batches, without gradients; float32 results on the CPU."""
         self.module.eval()     # the bare module (DDP's forward would sync buffers; FSDP2's is this module)
-        micro = equal_micro_batches(batch, micro_batch_size, self.device) if self.sharded else batch.split(micro_batch_size)
-        outs = [self._run(self.module, mb) for mb in micro]
+        micro = micro_batches(batch, micro_batch_size, micro_batch_tokens, self.sharded, self.device)
+        width = batch["responses"].shape[1] if "responses" in batch else 0
+        outs = [pad_responses(self._run(self.module, mb), width) for mb in micro]
         return Batch({k: torch.cat([o[k] for o in outs]).float().cpu() for k in outs[0]})
 
     def train_step(self, batch: Batch, loss_fn: Callable, mask_key: str = "response_mask") -> dict[str, float]:
@@ -117,7 +109,7 @@ class TorchTrainer:
         mask = batch[mask_key]
         total_tokens = all_sum(float(mask.sum()), self.device)
         total_seqs = all_sum(float((mask.sum(dim=1) > 0).sum()), self.device)
-        micro = batch.split(self.cfg.micro_batch_size)
+        micro = micro_batches(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens, self.sharded, self.device)
         # Every value summed over micro-batches and ranks: the loss is already each piece's share of the
         # mini-batch's; the stats (token means within a piece) are weighted by the piece's token share.
         sums: dict[str, float] = {}

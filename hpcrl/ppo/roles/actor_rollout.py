@@ -26,7 +26,7 @@ class ActorRollout(Generates, Checkpointed, Worker):
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """log π_old of the sampled tokens, recomputed by the training model (not the sampler's)."""
-        out = self.engine.infer(batch, self.cfg.micro_batch_size)
+        out = self.engine.infer(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
         return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DP_COMPUTE)

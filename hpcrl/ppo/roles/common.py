@@ -22,7 +22,8 @@ def seed_all(seed: int) -> None:
 
 def optim_config(cfg: PPOConfig, lr: float) -> OptimConfig:
     return OptimConfig(lr=lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                       grad_clip=cfg.grad_clip, micro_batch_size=cfg.micro_batch_size)
+                       grad_clip=cfg.grad_clip, micro_batch_size=cfg.micro_batch_size,
+                       micro_batch_tokens=cfg.micro_batch_tokens)
 
 
 def make_train_engine(cfg: PPOConfig, model_dir: str, head: str, device: torch.device, lr: float | None):

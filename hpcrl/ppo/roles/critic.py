@@ -18,7 +18,7 @@ class Critic(Checkpointed, Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:
-        values = self.engine.infer(batch, self.cfg.micro_batch_size)["values"]
+        values = self.engine.infer(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)["values"]
         return Batch({"values": values * batch["response_mask"]})
 
     @register(Dispatch.DP_COMPUTE)

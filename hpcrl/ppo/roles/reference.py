@@ -17,7 +17,7 @@ class Reference(Checkpointed, Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return Batch({"ref_log_probs": self.engine.infer(batch, self.cfg.micro_batch_size)["log_probs"]})
+        return Batch({"ref_log_probs": self.engine.infer(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)["log_probs"]})
 
     def checkpoint_state(self) -> dict:
         return self.engine.state_dict()

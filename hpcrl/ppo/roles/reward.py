@@ -9,7 +9,7 @@ from hpcrl.algo import last_token_index
 from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
-from hpcrl.models import CharTokenizer
+from hpcrl.models.tokenizer import load_tokenizer
 
 
 def import_function(path: str):
@@ -23,23 +23,67 @@ def import_function(path: str):
         raise ValueError(f"reward function {path!r} cannot be imported: {e}") from None
 
 
+class RewardError(RuntimeError):
+    """The reward function raised on a sample (or gave no usable score): the step fails, naming it."""
+
+
 class RuleReward(Checkpointed, Worker):
-    """score = fn(prompt_text, response_text, **the sample's other dataset fields)."""
+    """score = fn(prompt, response_text, **the sample's other dataset fields), one sample at a time;
+    with `batched`, scores = fn(prompts, responses, **each field as a list), one call per batch.
+    `prompt` is the dataset's prompt as written (text, or chat messages)."""
     frozen = True   # no state: its file only records that the role took part
 
-    def __init__(self, model_dir: str, reward_fn: str):
-        self.fn = import_function(reward_fn)
-        self.tok = CharTokenizer.load(model_dir)
+    def __init__(self, model_dir: str, reward_fn: str, batched: bool = False):
+        self.path, self.fn, self.batched = reward_fn, import_function(reward_fn), batched
+        self.tok = load_tokenizer(model_dir)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_scores(self, batch: Batch) -> Batch:
-        extra = [k for k in batch.arrays if k not in ("prompt", "index")]
-        scores = []
-        for i in range(len(batch)):
-            prompt = batch["prompt"][i] if "prompt" in batch else self.tok.decode(batch["prompt_ids"][i])
-            response = self.tok.decode(batch["responses"][i])
-            scores.append(float(self.fn(prompt, response, **{k: batch[k][i] for k in extra})))
-        return Batch({"scores": torch.tensor(scores, dtype=torch.float32)})
+        names = [k for k in batch.arrays if k not in ("prompt", "index")]
+        prompts = [batch["prompt"][i] if "prompt" in batch else self.tok.decode(batch["prompt_ids"][i])
+                   for i in range(len(batch))]
+        responses = [self.tok.decode(r) for r in batch["responses"]]
+        if self.batched:
+            try:
+                scores = list(self.fn(prompts, responses, **{k: list(batch[k]) for k in names}))
+            except Exception as e:   # noqa: BLE001 - the user's code: anything may come
+                raise RewardError(self._failure(batch, None, e)) from None
+            if len(scores) != len(batch):
+                raise RewardError(f"reward function {self.path} (batched) gave {len(scores)} scores for "
+                                  f"{len(batch)} samples")
+        else:
+            scores = []
+            for i in range(len(batch)):
+                try:
+                    scores.append(self.fn(prompts[i], responses[i], **{k: batch[k][i] for k in names}))
+                except Exception as e:   # noqa: BLE001
+                    raise RewardError(self._failure(batch, i, e)) from None
+        out = torch.tensor([float(s) for s in scores], dtype=torch.float32)
+        bad = torch.nonzero(~torch.isfinite(out)).flatten().tolist()
+        if bad:
+            raise RewardError(f"reward function {self.path} gave {out[bad[0]].item()} for {self._sample(batch, bad[0])}; "
+                              "a score must be a finite number")
+        return Batch({"scores": out})
+
+    def _sample(self, batch: Batch, i: int) -> str:
+        where = [f"sample {i} of the batch"]
+        if "index" in batch:
+            where.append(f"dataset row {batch['index'][i]}")
+        if "data_source" in batch:
+            where.append(f"data_source {batch['data_source'][i]}")
+        return ", ".join(where)
+
+    def _failure(self, batch: Batch, i: int | None, e: Exception) -> str:
+        """The scorer's traceback, then (as the last line, which status.json shows) what failed; also
+        written to this role's log (hpcrl logs RUN_DIR reward)."""
+        import sys
+        import traceback
+
+        where = self._sample(batch, i) if i is not None else f"a batch of {len(batch)} samples"
+        message = (f"{''.join(traceback.format_exception(e)).rstrip()}\n"
+                   f"reward function {self.path} raised on {where}: {type(e).__name__}: {e}")
+        print(message, file=sys.stderr, flush=True)
+        return message
 
 
 class RewardModel(Checkpointed, Worker):

