@@ -5,6 +5,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +16,17 @@ from hpcrl.ppo.config import PPOConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "slurm" / "cluster"
+
+
+@pytest.fixture(autouse=True)
+def _process_environment_restored():
+    """Each test gets the environment the session had: an in-process engine (vLLM sets TMPDIR and
+    its cache root for its own process) must not leak into the sbatch, Ray and chromium of later tests."""
+    env, tmp = dict(os.environ), tempfile.tempdir
+    yield
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = tmp
 
 
 def _cluster(*args: str) -> subprocess.CompletedProcess:
