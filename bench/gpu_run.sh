@@ -21,8 +21,10 @@ for stage in "$@"; do
     split) timeout 420 python3 bench/gpu_ppo.py --layout two-gpus --steps "${STEPS:-3}" --runs megatron \
              --out bench/gpu_ppo_two_gpus.json 2>&1 | tee "$OUT/split.log" | tail -6
            cp bench/gpu_ppo_two_gpus.json "$OUT/" ;;
+    # the data goes to /tmp: the next call's copy of the working tree drops .realdata under the running bench
     real) python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
-          setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data .realdata --runs "${RUNS:-trl,grpo,ppo}" \
+          rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
+          setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "${RUNS:-grpo,trl,ppo}" \
             --minutes "${MINUTES:-10}" > /tmp/real.log 2>&1 < /dev/null &
           sleep 60; tail -5 /tmp/real.log ;;
   esac

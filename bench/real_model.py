@@ -201,13 +201,14 @@ def main() -> int:
         results[name] = {"points": points, "steps": steps, "trained_s": round(trained, 1),
                          "wall_s": round(time.time() - t0, 1), "s_per_step": round(trained / steps, 3) if steps else None}
         print(f"{name}: {points}", flush=True)
+        # after every run, so that a machine lost mid-bench still leaves the runs it finished
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "runs": results}, indent=1))
     marks = sorted({0, 210, 600, *(minutes(args, name) * 60 for name in results)})
     print(f"\n{'run':6} {'steps':>6} {'s/step':>7} " + " ".join(f"{f'acc@{m:.0f}s':>10}" for m in marks))
     for name, r in results.items():
         accs = [at(r["points"], m) for m in marks]
         print(f"{name:6} {r['steps']:>6} {r['s_per_step'] or 0:>7.2f} " +
               " ".join(f"{a:>10.3f}" if a is not None else f"{'-':>10}" for a in accs))
-    args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "runs": results}, indent=1))
     return 0
 
 
