@@ -6,13 +6,20 @@ import sys
 import time
 
 from hpcrl._version import __version__
+from hpcrl.files import StorageError
 from hpcrl.job import SpecError, load_spec
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.submit import SubmitError
 
 
-def _load(args):
-    return load_spec(args.spec, run_dir=args.run_dir)
+def _load(args, for_cluster: bool = True):
+    """The spec; for a job on the cluster, what looks wrong but may not be is said on stderr."""
+    from hpcrl.job.checks import run_dir_warnings
+
+    spec = load_spec(args.spec, run_dir=args.run_dir)
+    for warning in run_dir_warnings(spec) if for_cluster else []:
+        print(f"warning: {warning}", file=sys.stderr)
+    return spec
 
 
 def cmd_validate(args) -> int:
@@ -105,7 +112,7 @@ def cmd_run(args) -> int:
 
     if not args.local:
         raise SpecError(["hpcrl run needs --local (on a cluster use `hpcrl submit`)"], args.spec)
-    spec = _load(args)
+    spec = _load(args, for_cluster=False)
     if not spec.train:
         raise SpecError(["train: empty; there is nothing to run (hpcrl/ppo/config.py lists the settings)"], args.spec)
     paths = RunDir(spec.run_dir)
@@ -356,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (SubmitError, SlurmCommandError) as e:
+    except (SubmitError, SlurmCommandError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -2,8 +2,48 @@
 and where downloads are kept."""
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
+
+# what makes a run directory refuse a write, as OSError's errno
+STORAGE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "the disk quota is exceeded",
+                  errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission is denied",
+                  errno.ENOENT: "the directory is gone", errno.ESTALE: "the file handle is stale (NFS)",
+                  errno.EIO: "an I/O error"}
+
+
+class StorageError(OSError):
+    """The run directory could not take a write (full, over quota, read-only, gone): the run stops
+    with one message that says what is safe and how to go on."""
+
+
+def storage_failure(error: BaseException) -> str | None:
+    """Why a write failed, where an error (or one it came from, also in another process: a role's
+    traceback travels as text) is the storage refusing it; None for any other error."""
+    seen = 0
+    while error is not None and seen < 10:
+        if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
+            return f"{STORAGE_ERRNOS[error.errno]} ({os.strerror(error.errno)})"
+        text = str(error)
+        for code, why in STORAGE_ERRNOS.items():
+            if code != errno.ENOENT and (os.strerror(code) in text or f"[Errno {code}]" in text):
+                return f"{why} ({os.strerror(code)})"
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free space of the filesystem that holds path (or its nearest existing parent)."""
+    import shutil
+
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
 
 
 def cache_dir() -> Path:

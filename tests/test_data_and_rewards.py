@@ -6,6 +6,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+from conftest import wait_until
 
 from hpcrl.controller.batch import Batch
 from hpcrl.models import CharTokenizer
@@ -147,7 +148,10 @@ def test_wandb_offline_run_gets_every_step(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         log.write({"step": step, "time": 1000.0 + step, "reward/mean": step / 4, "actor/pg_loss": None})
     log.close()
-    history = _wandb_history(next(tmp_path.glob("wandb/offline-run-*/run-*.wandb")))
+    # W&B's own service process writes the file; on a loaded machine it may still be at it after finish()
+    run_file = next(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    wait_until(lambda: len(_wandb_history(run_file)) >= 3, 60, "the W&B run file's 3 history records", poll=1)
+    history = _wandb_history(run_file)
     assert [(h["_step"], h["reward/mean"]) for h in history] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert not any("actor/pg_loss" in h for h in history)             # None (not measured) is left out
     again = MetricsLog(tmp_path, wandb={"project": "hpcrl-test", "mode": "offline"})   # a requeued job

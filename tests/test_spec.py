@@ -88,7 +88,7 @@ def test_megatron_needs_gpus_that_its_layout_divides():
     assert ok.train["tensor_parallel"] == 2
     with pytest.raises(SpecError, match=r"roles.ref: no GPUs, but train.train_engine: megatron runs role ref"):
         parse_spec({**GOOD, "roles": {**roles, "ref": {"partition": "cpu"}}, "train": {"train_engine": "megatron"}})
-    with pytest.raises(SpecError, match=r"= 4 does not divide the 2 GPUs of role actor_rollout"):
+    with pytest.raises(SpecError, match=r"= 4 GPUs per model does not divide the 2 GPUs of role actor_rollout"):
         parse_spec({**GOOD, "roles": roles, "train": {"train_engine": "megatron", "tensor_parallel": 2,
                                                       "pipeline_parallel": 2}})
     with pytest.raises(SpecError, match=r"train.tensor_parallel: 2 needs train_engine: megatron"):

@@ -94,22 +94,60 @@ def test_submitit_via_cli(slurm_cluster, tmp_path):
 @pytest.mark.parametrize("patch,top,field", [
     ({"critic": {"partition": "v100"}}, {}, "roles.critic.partition: no partition 'v100'"),
     ({"critic": {"gpu_type": "a100"}}, {}, "roles.critic: gres gpu:a100:1 per node on 1 node(s) is not available"),
-    ({"actor_rollout": {"nodes": 3}}, {}, "roles.actor_rollout.nodes: 3 nodes asked"),
+    ({"actor_rollout": {"nodes": 4}}, {}, "roles.actor_rollout.nodes: 4 nodes asked"),
     ({"ref": {"time": "05:00:00"}}, {}, "roles.ref.time: 05:00:00 is over partition 'cpu' MaxTime 04:00:00"),
     ({"ref": {"mem": "64G"}}, {}, "roles.ref.mem"),
     ({"critic": {"gpu": 1}}, {}, "roles.critic.gpu: unknown field"),
     ({}, {"requeue": "sometimes"}, "requeue: Input should be a valid boolean"),
+    # the cluster's accounting (slurm/cluster: accounts root, rlhf with QoS normal and high, research with normal)
+    ({"critic": {"account": "physics"}}, {},
+     "roles.critic.account: user root has no account 'physics' here (accounts: research, rlhf, root)"),
+    ({"critic": {"qos": "urgent"}}, {}, "roles.critic.qos: no QoS 'urgent' on this cluster (QoS: high, normal)"),
+    ({"critic": {"account": "research", "qos": "high"}}, {},
+     "roles.critic.qos: QoS 'high' is not allowed for user root under account research (allowed: normal)"),
+    ({"critic": {"qos": "high"}}, {}, "under the default account root (set account:) (allowed: normal)"),
+    ({"critic": {"constraint": "ib&v100"}}, {},
+     "roles.critic.constraint: no node of partition 'h100' has feature 'v100' (its features: h100, ib)"),
+    ({"critic": {"sbatch_extra": ["--reservation=maint"]}}, {},
+     "roles.critic.sbatch_extra[0]: no reservation 'maint' on this cluster (reservations: none)"),
+    # injection: a newline would end Slurm's header and run the rest as shell on the compute node
+    ({"critic": {"sbatch_extra": ["--comment=x\ntouch {victim}"]}}, {}, "roles.critic.sbatch_extra[0]: 'x\\ntouch"),
+    ({"critic": {"account": "rlhf\ntouch {victim}"}}, {}, "roles.critic.account: "),
+    ({}, {"name": "demo\ntouch {victim}"}, "name: "),
 ])
 def test_bad_specs_are_rejected_before_anything_is_submitted(slurm_cluster, tmp_path, patch, top, field):
-    path = spec_file(tmp_path, patch, **top)
+    victim = tmp_path / "injected"
+    fill = lambda v: v.replace("{victim}", str(victim)) if isinstance(v, str) else (  # noqa: E731
+        [fill(x) for x in v] if isinstance(v, list) else {k: fill(x) for k, x in v.items()} if isinstance(v, dict) else v)
+    name = f"rejected-{tmp_path.name}"[:60]
+    path = spec_file(tmp_path, fill(patch), **{"name": name, **fill(top)})
     before = queue_ids()
     for cmd in (["validate"], ["submit"], ["submit", "--via", "submitit"]):
         out = subprocess.run([sys.executable, "-m", "hpcrl", *cmd, str(path), "--run-dir", str(tmp_path / "run")],
                              capture_output=True, text=True)
         assert out.returncode == 2, out
         assert field in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
     assert queue_ids() == before
-    assert not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists() and not victim.exists()
+    # and Slurm's accounting never saw a job of this name
+    accounted = subprocess.run(["sacct", "-n", "-X", "-P", "-S", "2000-01-01", "--name", name, "-o", "JobID"],
+                               capture_output=True, text=True, check=True).stdout
+    assert accounted.strip() == "", accounted
+
+
+def test_an_allowed_account_and_qos_reach_slurm_as_written(slurm_cluster, tmp_path):
+    """The other side of the accounting checks: what they let through, Slurm takes and records."""
+    spec = hpcrl.load_spec(spec_file(tmp_path, {"critic": {"account": "rlhf", "qos": "high"},
+                                                "actor_rollout": {"sbatch_extra": ["--begin=now+600"]}}),
+                           run_dir=tmp_path / "run")
+    job = hpcrl.submit(spec)
+    try:
+        recs = {int(r["HetJobOffset"]): r for r in job_records(job.job_id)}
+        assert (recs[1]["Account"], recs[1]["QOS"]) == ("rlhf", "high")
+        assert recs[0]["Account"] == "root" and recs[0]["QOS"] == "normal"
+    finally:
+        subprocess.run(["scancel", job.job_id], check=True)
 
 
 @pytest.mark.parametrize("text,field", [

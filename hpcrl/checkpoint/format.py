@@ -3,10 +3,13 @@
 A role file holds one dataset per tensor (named by its path in the state, dtype kept; bfloat16 as
 its 16 bits), the structure around the tensors as JSON, and a CRC32 per dataset, so a flipped byte
 is found when the file is read. It is written under a temporary name, flushed, fsynced and renamed,
-so a crash at any moment leaves the file that was there before.
+so a crash at any moment leaves the file that was there before. That is where the atomicity comes
+from, not from HDF5's file locks: files are opened with locking off, so that checkpoints work on
+filesystems where flock/fcntl locks fail (Lustre, GPFS, NFS and Cray DVS mounts often do).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import zlib
@@ -18,7 +21,7 @@ import numpy as np
 import torch
 
 from hpcrl._version import __version__
-from hpcrl.files import replace_durably
+from hpcrl.files import free_bytes, replace_durably
 
 FORMAT_VERSION = 1
 
@@ -95,6 +98,15 @@ def file_attrs(skeleton, attrs: dict) -> dict:
     return {"skeleton": json.dumps(skeleton), "format_version": FORMAT_VERSION, "hpcrl_version": __version__, **attrs}
 
 
+def refuse_if_it_cannot_fit(path: Path, size: int) -> None:
+    """ENOSPC before HDF5 sees the file: HDF5 1.10 can crash the process (SIGSEGV in H5D_close) when it
+    closes a file whose writes failed for want of space. statvfs does not see quotas; those still reach HDF5."""
+    free = free_bytes(path.parent)
+    if free is not None and free < size + 2**20:
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: {path.name} needs {size / 1e6:.1f} MB, "
+                      f"{free / 1e6:.1f} MB are free", str(path.parent))
+
+
 def write_role_file(path: Path, state: dict, attrs: dict) -> dict:
     """Atomically write one role's state; returns {"bytes", "datasets"} for the manifest.
 
@@ -106,18 +118,23 @@ def write_role_file(path: Path, state: dict, attrs: dict) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     skeleton, arrays = tensor_arrays(state)
-    with ThreadPoolExecutor(1, thread_name_prefix="hpcrl-crc") as pool:
-        crcs = {name: pool.submit(crc32, arr) for name, (arr, _) in arrays.items()}
-        with h5py.File(tmp, "w") as f:
-            for name, (arr, dtype) in arrays.items():
-                f.create_dataset(dataset_name(name), data=arr).attrs["dtype"] = dtype
-            for name, crc in crcs.items():
-                f[dataset_name(name)].attrs["crc32"] = crc.result()
-            f.attrs.update(file_attrs(skeleton, attrs))
-            f.flush()
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    replace_durably(tmp, path)
+    refuse_if_it_cannot_fit(path, sum(arr.nbytes for arr, _ in arrays.values()) + 4096 * len(arrays))
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="hpcrl-crc") as pool:
+            crcs = {name: pool.submit(crc32, arr) for name, (arr, _) in arrays.items()}
+            with h5py.File(tmp, "w", locking=False) as f:
+                for name, (arr, dtype) in arrays.items():
+                    f.create_dataset(dataset_name(name), data=arr).attrs["dtype"] = dtype
+                for name, crc in crcs.items():
+                    f[dataset_name(name)].attrs["crc32"] = crc.result()
+                f.attrs.update(file_attrs(skeleton, attrs))
+                f.flush()
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        replace_durably(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)      # a full disk keeps no half file; the committed steps are untouched
+        raise
     return {"bytes": path.stat().st_size, "datasets": len(arrays)}
 
 
@@ -131,7 +148,7 @@ def read_role_file(path: Path) -> tuple[dict, dict]:
     Each dataset's checksum runs on a second thread while the next one is read."""
     import h5py
 
-    with h5py.File(path, "r") as f, ThreadPoolExecutor(1, thread_name_prefix="hpcrl-crc") as pool:
+    with h5py.File(path, "r", locking=False) as f, ThreadPoolExecutor(1, thread_name_prefix="hpcrl-crc") as pool:
         checks = []
 
         def read(name: str) -> torch.Tensor:

@@ -141,7 +141,7 @@ def main(argv: list[str]) -> None:
             crcs.update(part)
         data = np.memmap(share_bin, np.uint8, "r") if share_bin.stat().st_size else np.zeros(0, np.uint8)
         t0 = time.perf_counter()
-        with h5py.File(tmp, "w", driver="mpio", comm=comm) as f:
+        with h5py.File(tmp, "w", driver="mpio", comm=comm, locking=False) as f:
             datasets = {}
             for name, (shape, np_dtype, dtype) in meta["datasets"].items():   # metadata: collective
                 ds = datasets[name] = f.create_dataset(name, shape=tuple(shape), dtype=np.dtype(np_dtype),

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from hpcrl.checkpoint.format import FORMAT_VERSION, verify_role_file
-from hpcrl.files import atomic_write_text
+from hpcrl.files import atomic_write_text, free_bytes
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger("hpcrl.checkpoint")
@@ -69,6 +69,28 @@ class CheckpointStore:
             if problem:
                 problems.append(f"{role}: {problem}")
         return problems
+
+    def refused_write(self, why: str, step: int) -> str:
+        """What to tell a user whose run directory refused a write (a full disk) during `step`."""
+        try:
+            steps = self.committed_steps()
+            last = steps[-1] if steps else None
+            fresh = [info["bytes"] for info in self.manifest(last)["roles"].values()
+                     if info["path"].startswith(self.step_dir(last).name + "/")] if last else []
+        except (OSError, ValueError):
+            last, fresh = None, []
+        free = free_bytes(self.root)
+        parts = [f"the run directory {self.root.parent} refused a write during step {step}: {why}"]
+        if free is not None:
+            parts.append(f"{free / 1e6:.1f} MB are free on {self.root}")
+        if fresh:
+            parts.append(f"a checkpoint of this run takes about {sum(fresh) / 1e6:.1f} MB (step {last}'s did)")
+        if last is not None:
+            parts.append(f"the committed checkpoints are intact, the newest is step {last}: make room (or lower "
+                         "keep_last), then continue from it with `hpcrl submit SPEC --resume`")
+        else:
+            parts.append("no checkpoint was committed yet: make room, then submit again")
+        return "; ".join(parts)
 
     def latest_good(self) -> tuple[int, dict] | None:
         """The newest step that verifies, warning about each newer one that does not."""

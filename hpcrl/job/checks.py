@@ -5,15 +5,18 @@
     environment_problems(spec)    the job's interpreter: mpi4py for bootstrap: mpi, h5py with MPI for
                                   checkpoint_io: parallel
     problems_before_submit(spec, job, cluster)
-                                  the interpreter's problems, and against the live cluster (scontrol:
-                                  partitions, GRES, limits) and its storage (the files the training
-                                  settings name), as validate, render and submit run them
+                                  the values that cannot stand in the batch script, the interpreter's
+                                  problems, and against the live cluster (scontrol, sacctmgr:
+                                  partitions, GRES, features, reservations, accounts, QoS, limits)
+                                  and its storage (the run directory, the files the training settings
+                                  name), as validate, render and submit run them
+    run_dir_warnings(spec)        a run directory that looks node-local (said, not refused)
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcrl.ppo.config import PPOConfig, RolePlace
+from hpcrl.ppo.config import ConfigError, PPOConfig, RolePlace
 
 if TYPE_CHECKING:
     from hpcrl.job.spec import JobSpec
@@ -25,7 +28,7 @@ _RESOURCE_FIELDS = ("partition", "nodes", "gpus_per_node", "gpu_type", "gres", "
 
 
 def spec_problems(spec: JobSpec) -> list[str]:
-    return role_problems(spec) or train_problems(spec)
+    return role_problems(spec) or (time_problems(spec) + train_problems(spec))
 
 
 def role_problems(spec: JobSpec) -> list[str]:
@@ -61,6 +64,65 @@ def role_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
+def time_problems(spec: JobSpec) -> list[str]:
+    """A component's time limit must outlast the signal lead, or the job is told to stop as it starts."""
+    from hpcrl.slurm.job import format_minutes, parse_time_minutes
+
+    problems = []
+    for members in spec.component_roles():
+        role = spec.roles[members[0]]
+        if spec.requeue and role.time is not None and parse_time_minutes(role.time) * 60 <= spec.signal_lead:
+            problems.append(f"roles.{members[0]}.time: {format_minutes(parse_time_minutes(role.time))} is not longer "
+                            f"than signal_lead {spec.signal_lead} s: Slurm would tell the job to checkpoint before it "
+                            "ran (raise the time, or lower signal_lead)")
+    return problems
+
+
+def run_dir_problems(spec: JobSpec) -> list[str]:
+    """The run directory must be creatable and writable from here (the login node writes the script)."""
+    import os
+    import tempfile
+
+    path = spec.run_dir
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    if not path.is_dir():
+        return [f"run_dir: {spec.run_dir} cannot be made: {path} is not a directory"]
+    doing = "written" if path == spec.run_dir else "made"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return [f"run_dir: {spec.run_dir} cannot be {doing} from here: "
+                f"{path} is not writable by this user (choose a run directory on storage you may write)"]
+    try:        # access() does not see everything (root, /proc, some network filesystems): try it
+        tempfile.TemporaryFile(dir=path).close()      # O_TMPFILE where it can: no name ever appears
+    except OSError as e:
+        return [f"run_dir: {spec.run_dir} cannot be {doing} from here: {path} refuses a new file "
+                f"({e.strerror}; choose a run directory on storage you may write)"]
+    return []
+
+
+NODE_LOCAL_FS = {"tmpfs", "ramfs", "devtmpfs"}
+NODE_LOCAL_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+
+
+def run_dir_warnings(spec: JobSpec) -> list[str]:
+    """The run directory must be storage every node sees; a node-local filesystem is a likely mistake."""
+    from pathlib import Path
+
+    path, mounts = spec.run_dir, []
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return []
+    mount = max((m for m in mounts if path == Path(m[0]) or Path(m[0]) in path.parents), key=lambda m: len(m[0]),
+                default=None)
+    local = (f"a {mount[1]} filesystem ({mount[0]})" if mount and mount[1] in NODE_LOCAL_FS else
+             next((d for d in NODE_LOCAL_DIRS if path == Path(d) or Path(d) in path.parents), None))
+    if local:
+        return [f"run_dir: {path} is on {local}, which is usually node-local: every compute node must see the run "
+                "directory (a shared filesystem: scratch, Lustre, GPFS, NFS)"]
+    return []
+
+
 def placements(spec: JobSpec) -> dict[str, RolePlace]:
     """Where each role runs, as the training settings see it: its component and its GPUs."""
     out = {}
@@ -68,7 +130,7 @@ def placements(spec: JobSpec) -> dict[str, RolePlace]:
         owner = spec.roles[members[0]]
         gres = owner.gres_spec()
         gpus = gres.count * owner.nodes if gres and gres.name == "gpu" else 0
-        out.update({m: RolePlace(index, gpus, f"roles.{members[0]}") for m in members})
+        out.update({m: RolePlace(index, owner.nodes, gpus, f"roles.{members[0]}") for m in members})
     return out
 
 
@@ -78,8 +140,8 @@ def train_problems(spec: JobSpec) -> list[str]:
         return []
     try:
         cfg = PPOConfig.from_dict(spec.train)
-    except ValueError as e:
-        return str(e).splitlines()
+    except ConfigError as e:
+        return e.problems
     return cfg.placement_problems(placements(spec))
 
 
@@ -106,9 +168,13 @@ def environment_problems(spec: JobSpec) -> list[str]:
 
 
 def problems_before_submit(spec: JobSpec, job: HetJob, cluster: ClusterInfo | None) -> list[str]:
-    """The interpreter's problems and, given the live cluster (None: offline), the cluster's; the
-    spec's own problems were found when it was loaded."""
+    """What keeps the job from its script (hpcrl.slurm.directives), the interpreter's problems and,
+    given the live cluster (None: offline), the cluster's and its storage's; the spec's own problems
+    were found when it was loaded."""
+    from hpcrl.slurm.directives import problems as unsafe_values
+
+    found = unsafe_values(job, str(job.run_dir)) + environment_problems(spec)
     if cluster is None:
-        return environment_problems(spec)
+        return found
     missing = PPOConfig.from_dict(spec.train).missing_paths() if spec.train else []
-    return environment_problems(spec) + missing + cluster.check(job)
+    return found + run_dir_problems(spec) + missing + cluster.check(job)

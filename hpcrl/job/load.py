@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from hpcrl.job.checks import spec_problems
 from hpcrl.job.spec import JobSpec, RoleSpec, SpecError
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import PPOConfig, spec_key
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -27,7 +27,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _pydantic_problem(err: dict) -> str:
-    path = ".".join(str(p) for p in err["loc"])
+    path = ".".join(spec_key(p) for p in err["loc"]) or "top level"
     kind = err["type"]
     if kind == "extra_forbidden":
         parent = err["loc"][:-1]

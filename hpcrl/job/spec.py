@@ -60,11 +60,16 @@ class RoleSpec(BaseModel):
     time: str | None = None
     """Time limit in Slurm syntax (`HH:MM:SS`, `D-HH:MM:SS`); None takes the partition default."""
     account: str | None = None
+    """Slurm account to charge; None: the user's default (checked with sacctmgr where accounting is on)."""
     qos: str | None = None
+    """Quality of service; None: the association's default (checked with sacctmgr where accounting is on)."""
     constraint: str | None = None
+    """Node features the component's nodes must have, in Slurm's syntax (`ib&a100_80gb`, `[rack1|rack2]`)."""
     exclusive: bool = False
+    """Whole nodes for this component (`--exclusive`)."""
     sbatch_extra: list[str] = Field(default_factory=list)
-    """Extra `#SBATCH` flags for this component, e.g. `--reservation=rlhf`."""
+    """Extra `#SBATCH` flags for this component, one long option each, e.g. `--reservation=rlhf`
+    (checked like every value of the script: hpcrl/slurm/directives.py)."""
 
     @field_validator("time")
     @classmethod
@@ -85,14 +90,6 @@ class RoleSpec(BaseModel):
     def _gres(cls, v):
         if v is not None:
             Gres.parse(v)
-        return v
-
-    @field_validator("sbatch_extra")
-    @classmethod
-    def _extra(cls, v):
-        bad = [f for f in v if not f.startswith("--")]
-        if bad:
-            raise ValueError(f"flags must be long options like --reservation=x; got {bad}")
         return v
 
     def gres_spec(self) -> Gres | None:
@@ -157,6 +154,13 @@ class JobSpec(BaseModel):
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     """metrics.tensorboard: true adds TensorBoard output; metrics.wandb: {project: ...} a W&B run."""
     _source: str = PrivateAttr("")
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir(cls, v):
+        if any(ord(c) < 32 or ord(c) == 127 for c in str(v)):
+            raise ValueError("a path with control characters (a newline, a NUL) cannot be a run directory")
+        return v
 
     @field_validator("name")
     @classmethod

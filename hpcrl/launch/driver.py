@@ -9,8 +9,11 @@ the PPO driver (hpcrl/ppo/driver.py) until it finishes or stops at a committed c
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from pathlib import Path
 
+from hpcrl.files import StorageError
 from hpcrl.job import SpecError, load_spec
 from hpcrl.job_env import EXIT_REQUEUE, JobEnv
 from hpcrl.run_dir import RunDir
@@ -72,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     paths = RunDir(args.run_dir)
     stop = StopRequest(JobEnv.read().deadline, paths.stop)
     stop.install()
-    _, reason = run(paths.root, stop, local=args.local, num_cpus=args.num_cpus)
+    try:
+        _, reason = run(paths.root, stop, local=args.local, num_cpus=args.num_cpus)
+    except StorageError as e:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} error: {e}", file=sys.stderr, flush=True)
+        return 1
     if reason:
         return EXIT_REQUEUE
     print(f"metrics: {paths.metrics}\n{reward_table(read_metrics(paths.metrics))}", flush=True)

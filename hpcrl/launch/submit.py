@@ -1,7 +1,6 @@
 """`submit(spec)`: a JobSpec checked before anything is written, then submitted as one hetjob."""
 from __future__ import annotations
 
-import shlex
 import sys
 from typing import Callable
 
@@ -16,7 +15,7 @@ from hpcrl.slurm.submit import JobHandle, submit_hetjob
 
 def hetjob_of(spec: JobSpec) -> HetJob:
     """The spec as Slurm sees it, its steps run by this interpreter unless the spec names another."""
-    return spec.to_hetjob(python=shlex.quote(sys.executable))
+    return spec.to_hetjob(python=sys.executable)
 
 
 def checked_hetjob(spec: JobSpec, offline: bool = False) -> HetJob:

@@ -7,9 +7,12 @@
                            seconds), stop (why), finish, fail; one JSON object per line
 
 Both survive the job: `hpcrl status` and `hpcrl report` read them during the run and after it.
+Neither may stop a run: when the run directory cannot take a write (a full disk), the status
+waits and the events queue, and both are written once the directory takes writes again.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -23,6 +26,7 @@ class RunStatus:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.groups: dict = {}
+        self.unwritten: list[dict] = []       # events the run directory refused, in order
         self.doc = {"state": "starting", "step": 0, "total_steps": total_steps, "phase": "starting the roles",
                     "phase_since": time.time(), "started": time.time(), "pid": os.getpid(), "last_checkpoint": None,
                     "validation": None, "error": None}
@@ -47,8 +51,13 @@ class RunStatus:
     def event(self, kind: str, **fields) -> dict:
         """Append one event; `checkpoint`, `finish`, `stop` and `fail` also change the status."""
         record = {"time": round(time.time(), 3), "event": kind, **fields}
-        with open(RunDir(self.run_dir).events, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.unwritten.append(record)
+        try:
+            with open(RunDir(self.run_dir).events, "a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in self.unwritten))
+            self.unwritten.clear()
+        except OSError:
+            pass         # kept for the next event
         if kind == "checkpoint":
             self.doc["last_checkpoint"] = {"step": fields["step"], "time": record["time"]}
         elif kind in ("finish", "stop", "fail"):
@@ -61,8 +70,12 @@ class RunStatus:
         doc = {**self.doc, "updated": time.time(), "roles": {r: wg.describe() for r, wg in self.groups.items()}}
         path = RunDir(self.run_dir).status
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, path)   # no fsync: advisory, rewritten every phase
+        try:
+            tmp.write_text(json.dumps(doc, indent=1))
+            os.replace(tmp, path)   # no fsync: advisory, rewritten every phase
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)     # the next write says it all again
 
 
 def read_status(run_dir: Path) -> dict | None:

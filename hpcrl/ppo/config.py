@@ -2,17 +2,72 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 
 class RolePlace(NamedTuple):
-    """Where the job spec puts a role: its hetjob component, its GPUs (all nodes), and the spec
-    field that gives them (`roles.<the component's first role>`), for messages."""
+    """Where the job spec puts a role: its hetjob component, its nodes and GPUs (all nodes), and the
+    spec field that gives them (`roles.<the component's first role>`), for messages."""
     component: int
+    nodes: int
     gpus: int
     field: str
+
+
+class ConfigError(ValueError):
+    """Every problem of the training settings at once, each `train.<field>: what is wrong`."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+def spec_key(key) -> str:
+    """A key of the spec as messages show it: as written, or quoted where it holds anything odd
+    (a space, a colon, a control character), so a message always starts with one field path."""
+    return str(key) if re.fullmatch(r"[A-Za-z0-9_+-]+", str(key)) else repr(key)
+
+
+OPEN = object()     # marks an excluded bound: (OPEN, 0) is "> 0"
+LIMITS: dict[str, tuple] = {
+    # setting: (lowest, highest) it may take, None for no bound; a bound after OPEN is excluded
+    "seed": (0, None), "total_steps": (1, None), "task_digits": (1, None), "task_prompts": (1, None),
+    "max_prompt_length": (0, None), "missing_eos_penalty": (0, None),
+    "hidden_size": (1, None), "layers": (1, None), "heads": (1, None),
+    "batch_size": (1, None), "n_samples": (1, None), "max_new_tokens": (1, None),
+    "temperature": ((OPEN, 0), None), "top_p": ((OPEN, 0), 1), "top_k": (0, None),
+    "rollout_gpu_memory": ((OPEN, 0), 1), "rollout_max_model_len": (0, None),
+    "gamma": (0, 1), "lam": (0, 1), "kl_coef": (0, None), "kl_target": (0, None), "kl_horizon": ((OPEN, 0), None),
+    "ppo_epochs": (1, None), "mini_batch_size": (1, None), "micro_batch_size": (1, None),
+    "micro_batch_tokens": (0, None), "actor_lr": ((OPEN, 0), None), "critic_lr": ((OPEN, 0), None),
+    "warmup_steps": (0, None), "weight_decay": (0, None), "grad_clip": ((OPEN, 0), None),
+    "clip_low": ((OPEN, 0), (OPEN, 1)), "clip_high": ((OPEN, 0), None), "vf_clip": (0, None),
+    "entropy_coef": (0, None), "critic_warmup": (0, None),
+    "save_every": (0, None), "keep_last": (0, None), "keep_every": (0, None), "restart_limit": (0, None),
+    "val_every": (0, None), "val_samples": (1, None), "val_temperature": (0, None),
+}
+
+
+def limit_problem(name: str, value) -> str | None:
+    """Why a numeric setting is out of its range (LIMITS), or None."""
+    import math
+
+    low, high = LIMITS[name]
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name}: {value} is not a finite number"
+    for bound, below in ((low, True), (high, False)):
+        if bound is None:
+            continue
+        excluded, bound = (True, bound[1]) if isinstance(bound, tuple) else (False, bound)
+        outside = (value <= bound if excluded else value < bound) if below else \
+            (value >= bound if excluded else value > bound)
+        if outside:
+            sign = (">" if excluded else "≥") if below else ("<" if excluded else "≤")
+            return f"{name}: {value} is out of range; it must be {sign} {bound}"
+    return None
 
 
 @dataclass
@@ -227,18 +282,29 @@ class PPOConfig:
         """Unknown or ill-typed settings are errors that name the field."""
         data = dict(data or {})
         known = {f.name: f for f in dataclasses.fields(cls)}
-        problems = [f"{where}.{k}: unknown setting (known: {', '.join(known)})" for k in data if k not in known]
+        problems = [f"{where}.{spec_key(k)}: unknown setting (known: {', '.join(known)})" for k in data
+                    if k not in known]
         typed = {k: v for k, v in data.items() if k in known and _type_ok(v, known[k].type)}
         problems += [f"{where}.{k}: expected {known[k].type}, got {v!r}" for k, v in data.items()
                      if k in known and k not in typed]
         cfg = cls(**typed)
         problems += [f"{where}.{p}" for p in cfg.problems()]
         if problems:
-            raise ValueError("\n".join(problems))
+            raise ConfigError(problems)
         return cfg
 
     def problems(self) -> list[str]:
-        p = []
+        p = [problem for name in LIMITS if (problem := limit_problem(name, getattr(self, name)))]
+        if not isinstance(self.processes_per_node, dict):
+            p.append(f"processes_per_node: {self.processes_per_node!r} is not a mapping of role to processes, "
+                     "e.g. {reward: 4}")
+        else:
+            p += [f"processes_per_node.{role}: {n!r} must be a whole number ≥ 1"
+                  for role, n in self.processes_per_node.items() if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+        p += [f"{name}: {getattr(self, name)!r} holds control characters (a newline, a NUL), which no path can"
+              for name in self.PATHS if any(ord(c) < 32 or ord(c) == 127 for c in getattr(self, name))]
+        if not self.colocate_ok:
+            p.append(f"colocate: {self.colocate!r} is not a list of lists of role names, e.g. [[actor_rollout, ref]]")
         if self.advantage not in ("gae", "grpo"):
             p.append(f"advantage: {self.advantage!r} is not gae or grpo")
         if self.rollout_engine not in ("torch", "vllm"):
@@ -261,7 +327,7 @@ class PPOConfig:
                 p.append(f"{name}: {getattr(self, name)!r} is not k1, k2 or k3")
         if self.loss_agg_mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
             p.append(f"loss_agg_mode: {self.loss_agg_mode!r} is not token-mean, seq-mean-token-sum or seq-mean-token-mean")
-        if (self.batch_size * self.n_samples) % self.mini_batch_size:
+        if self.mini_batch_size >= 1 and (self.batch_size * self.n_samples) % self.mini_batch_size:
             p.append(f"mini_batch_size: {self.mini_batch_size} does not divide batch_size × n_samples = "
                      f"{self.batch_size * self.n_samples}")
         if self.micro_batch_size > self.mini_batch_size:
@@ -271,16 +337,9 @@ class PPOConfig:
         if (self.val_every or self.val_before_train) and not self.val_dataset:
             p.append("val_dataset: missing; val_every / val_before_train validate on it (give a JSONL or Parquet "
                      "file of held-out prompts)")
-        for name in ("val_every", "max_prompt_length", "micro_batch_tokens"):
-            if getattr(self, name) < 0:
-                p.append(f"{name}: must be ≥ 0 (0: off), got {getattr(self, name)}")
         if self.micro_batch_tokens and self.train_engine == "megatron":
             p.append("micro_batch_tokens: needs train_engine: torch (megatron's pipeline sends micro-batches of "
                      "one shape); set it to 0")
-        if self.val_samples < 1:
-            p.append(f"val_samples: must be ≥ 1, got {self.val_samples}")
-        if self.val_temperature < 0:
-            p.append(f"val_temperature: must be ≥ 0 (0: greedy), got {self.val_temperature}")
         return p
 
     def reward_function(self) -> str:
@@ -288,12 +347,38 @@ class PPOConfig:
         return self.reward_fn or ("hpcrl.ppo.rewards:by_data_source" if self.dataset else
                                   "hpcrl.ppo.tasks.copy_digits:score")
 
+    @property
+    def colocate_ok(self) -> bool:
+        return isinstance(self.colocate, list) and all(
+            isinstance(g, list) and g and all(isinstance(r, str) for r in g) for g in self.colocate)
+
+    def world_size(self, role: str, place: RolePlace) -> int:
+        """The data-parallel ranks of a role: one per GPU (per TP × PP group with megatron), else
+        processes_per_node per node."""
+        if place.gpus and self.train_engine == "megatron":
+            return max(1, place.gpus // (self.tensor_parallel * self.pipeline_parallel))
+        return place.gpus or place.nodes * self.processes_per_node.get(role, 1)
+
     def placement_problems(self, places: dict[str, RolePlace]) -> list[str]:
         """What these settings need of the spec's roles: every role they run placed, colocated roles
-        in one component, megatron's roles on GPUs that its TP × PP layout divides."""
+        in one component, megatron's roles on GPUs that its TP × PP layout divides, a mini-batch for
+        every rank of a training role, vLLM's tensor parallelism on the GPUs of the generating role."""
         problems = [f"roles.{r}: missing; train needs it (advantage={self.advantage}, kl_coef={self.kl_coef}) — "
                     f"give it resources or same_nodes_as: <role>" for r in self.roles() if r not in places]
-        for k, group in enumerate(self.colocate):
+        for role in ("actor_rollout", "critic"):
+            if role in self.roles() and role in places and isinstance(self.processes_per_node, dict):
+                world = self.world_size(role, places[role])
+                if self.mini_batch_size % world:
+                    problems.append(f"train.mini_batch_size: {self.mini_batch_size} is not a multiple of the {world} "
+                                    f"ranks of role {role} ({places[role].field}); each rank takes an equal share")
+        generator = "rollout" if self.rollout_role else "actor_rollout"
+        if self.rollout_tensor_parallel > 1 and generator in places:
+            gpus = places[generator].gpus // max(1, places[generator].nodes)
+            if not gpus or gpus % self.rollout_tensor_parallel:
+                problems.append(f"train.rollout_tensor_parallel: {self.rollout_tensor_parallel} GPUs per vLLM engine, "
+                                f"but role {generator} has {gpus} GPUs per node ({places[generator].field}); it must "
+                                "divide them")
+        for k, group in enumerate(self.colocate if self.colocate_ok else []):
             unknown = [r for r in group if r not in self.roles()]
             if unknown:
                 problems.append(f"train.colocate[{k}]: {unknown} not among the roles this training runs {self.roles()}")
@@ -312,7 +397,8 @@ class PPOConfig:
                     problems.append(f"{place.field}: no GPUs, but train.train_engine: megatron runs role {r} on GPUs "
                                     "(set gpus_per_node, or use train_engine: torch)")
                 elif place.gpus % need:
-                    problems.append(f"train.tensor_parallel × pipeline_parallel = {need} does not divide the "
+                    problems.append(f"train.tensor_parallel: {self.tensor_parallel} × pipeline_parallel "
+                                    f"{self.pipeline_parallel} = {need} GPUs per model does not divide the "
                                     f"{place.gpus} GPUs of role {r} ({place.field})")
         return problems
 

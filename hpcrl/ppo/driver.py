@@ -30,6 +30,7 @@ from hpcrl.checkpoint.commit import RoleCheckpoints
 from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.controller import ResourcePool, WorkerGroup
 from hpcrl.controller.batch import Batch
+from hpcrl.files import StorageError, storage_failure
 from hpcrl.models import CharTokenizer, create_model_dir
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.observe.metrics import MetricsLog
@@ -156,8 +157,13 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
         status.attach(groups)
         history, reason = _train(cfg, run_dir, model_dir, prompts_path, groups, status, stop or StopRequest(), log)
     except BaseException as e:
-        status.event("fail", step=status.doc["step"], error=f"{type(e).__name__}: {e}".strip().splitlines()[-1])
-        raise
+        why = storage_failure(e)
+        if why is None:
+            status.event("fail", step=status.doc["step"], error=f"{type(e).__name__}: {e}".strip().splitlines()[-1])
+            raise
+        message = CheckpointStore(run_dir).refused_write(why, status.doc["step"])
+        status.event("fail", step=status.doc["step"], error=message)     # once the directory takes writes
+        raise StorageError(message) from None
     finally:
         if log is not None:
             log.close()

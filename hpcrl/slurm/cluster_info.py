@@ -1,6 +1,15 @@
-"""The live cluster as `scontrol` reports it, and the check of a HetJob against it."""
+"""The live cluster as Slurm reports it, and the check of a HetJob against it.
+
+    scontrol show partition / node      partitions and their state and limits, nodes' CPUs, memory,
+                                        GRES and features
+    scontrol show reservation           reservations (an sbatch_extra --reservation names one)
+    sacctmgr show assoc / qos           the accounts this user may charge and the QoS each allows;
+                                        only where accounting (slurmdbd) is on, else not checked
+"""
 from __future__ import annotations
 
+import getpass
+import re
 import subprocess
 from dataclasses import dataclass, field
 
@@ -48,6 +57,33 @@ class Node:
     gres: list[Gres]
     partitions: list[str]
     state: str
+    features: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Accounting:
+    """What sacctmgr says this user may use: account -> the QoS its association allows."""
+    user: str
+    qos_of: dict[str, set[str]]
+    all_qos: set[str]
+    default_account: str = ""       # what a job without --account is charged to
+
+    @classmethod
+    def live(cls) -> Accounting | None:
+        """None where accounting is off (sacctmgr cannot reach slurmdbd)."""
+        user = getpass.getuser()
+        try:
+            assoc = slurm_cmd("sacctmgr", "-n", "-P", "show", "assoc", "where", f"user={user}", "format=account,qos")
+            qos = slurm_cmd("sacctmgr", "-n", "-P", "show", "qos", "format=name")
+            default = slurm_cmd("sacctmgr", "-n", "-P", "show", "user", user, "format=defaultaccount").strip()
+        except SlurmCommandError:
+            return None
+        qos_of: dict[str, set[str]] = {}
+        for line in assoc.splitlines():
+            account, _, allowed = line.partition("|")
+            if account:
+                qos_of.setdefault(account, set()).update(q for q in allowed.split(",") if q)
+        return cls(user, qos_of, {q for q in qos.split() if q}, default)
 
 
 @dataclass
@@ -68,14 +104,19 @@ def _gres_list(text: str) -> list[Gres]:
 class ClusterInfo:
     partitions: dict[str, Partition]
     nodes: dict[str, Node]
+    reservations: set[str] | None = None     # None: not read
+    accounting: Accounting | None = None     # None: accounting is off
 
     @classmethod
-    def from_records(cls, partition_recs: list[dict], node_recs: list[dict]) -> "ClusterInfo":
+    def from_records(cls, partition_recs: list[dict], node_recs: list[dict], reservation_recs: list[dict] | None = None,
+                     accounting: Accounting | None = None) -> ClusterInfo:
         nodes = {r["NodeName"]: Node(name=r["NodeName"], addr=r.get("NodeAddr", r["NodeName"]),
                                      cpus=int(r.get("CPUTot", 0)), memory_mb=int(r.get("RealMemory", 0)),
                                      gres=_gres_list(r.get("Gres", "")),
                                      partitions=[p for p in r.get("Partitions", "").split(",") if p],
-                                     state=r.get("State", "UNKNOWN")) for r in node_recs}
+                                     state=r.get("State", "UNKNOWN"),
+                                     features=[f for f in r.get("AvailableFeatures", "").split(",")
+                                               if f and f != "(null)"]) for r in node_recs}
         parts = {}
         for r in partition_recs:
             mt = r.get("MaxTime", "UNLIMITED")
@@ -83,12 +124,16 @@ class ClusterInfo:
                 name=r["PartitionName"], state=r.get("State", "UNKNOWN"),
                 max_time_min=None if mt == "UNLIMITED" else parse_time_minutes(mt),
                 nodes=[n for n in nodes.values() if r["PartitionName"] in n.partitions])
-        return cls(parts, nodes)
+        reservations = None if reservation_recs is None else {r["ReservationName"] for r in reservation_recs
+                                                               if "ReservationName" in r}
+        return cls(parts, nodes, reservations, accounting)
 
     @classmethod
-    def live(cls) -> "ClusterInfo":
+    def live(cls) -> ClusterInfo:
         return cls.from_records(parse_records(slurm_cmd("scontrol", "show", "partition", "-o")),
-                                parse_records(slurm_cmd("scontrol", "show", "node", "-o")))
+                                parse_records(slurm_cmd("scontrol", "show", "node", "-o")),
+                                parse_records(slurm_cmd("scontrol", "show", "reservation", "-o")),
+                                Accounting.live())
 
     def check(self, job: HetJob) -> list[str]:
         """Every reason Slurm would reject or never start this job, each naming the spec field."""
@@ -126,6 +171,13 @@ class ClusterInfo:
             if part.nodes and c.cpus_per_task > max(n.cpus for n in part.nodes):
                 problems.append(f"{src}.cpus_per_task: {c.cpus_per_task}, the largest node of {c.partition!r} "
                                 f"has {max(n.cpus for n in part.nodes)} CPUs")
+            if c.constraint:
+                have = {f for n in part.nodes for f in n.features}
+                for feature in _features(c.constraint):
+                    if feature not in have:
+                        problems.append(f"{src}.constraint: no node of partition {c.partition!r} has feature "
+                                        f"{feature!r} (its features: {', '.join(sorted(have)) or 'none'})")
+            problems += self._reservation_problems(c) + self._accounting_problems(c)
         # Components of one hetjob never share a node.
         for pname, n in used_nodes.items():
             part = self.partitions[pname]
@@ -134,6 +186,35 @@ class ClusterInfo:
                 problems.append(f"{', '.join(srcs)}: together ask {n} nodes of partition {pname!r}, which has "
                                 f"{len(part.nodes)}; hetjob components cannot share a node")
         return problems
+
+    def _reservation_problems(self, c) -> list[str]:
+        found = []
+        for k, flag in enumerate(c.extra):
+            option, _, value = str(flag).partition("=")
+            if option == "--reservation" and self.reservations is not None:
+                found += [f"{c.source}.sbatch_extra[{k}]: no reservation {name!r} on this cluster (reservations: "
+                          f"{', '.join(sorted(self.reservations)) or 'none'})"
+                          for name in value.split(",") if name not in self.reservations]
+        return found
+
+    def _accounting_problems(self, c) -> list[str]:
+        """Account and QoS against the user's associations (nothing to check without accounting)."""
+        acct = self.accounting
+        if acct is None:
+            return []
+        found = []
+        if c.account and c.account not in acct.qos_of:
+            found.append(f"{c.source}.account: user {acct.user} has no account {c.account!r} here (accounts: "
+                         f"{', '.join(sorted(acct.qos_of)) or 'none'})")
+        account = c.account or acct.default_account
+        for qos in c.qos.split(",") if c.qos else []:
+            if qos not in acct.all_qos:
+                found.append(f"{c.source}.qos: no QoS {qos!r} on this cluster (QoS: {', '.join(sorted(acct.all_qos))})")
+            elif account in acct.qos_of and qos not in acct.qos_of[account]:
+                under = f"account {account}" if c.account else f"the default account {account} (set account:)"
+                found.append(f"{c.source}.qos: QoS {qos!r} is not allowed for user {acct.user} under {under} "
+                             f"(allowed: {', '.join(sorted(acct.qos_of[account])) or 'none'})")
+        return found
 
     def summary(self, job: HetJob) -> list[list[str]]:
         rows = [["component", "roles", "partition", "nodes", "gres/node", "cpus", "mem/node", "time", "MaxTime"]]
@@ -145,6 +226,16 @@ class ClusterInfo:
                          "UNLIMITED" if part is None or part.max_time_min is None
                          else format_minutes(part.max_time_min)])
         return rows
+
+
+def _features(expression: str) -> list[str]:
+    """The feature names of a --constraint expression (its operators and counts left out)."""
+    names = []
+    for token in re.split(r"[&|,\[\]()!]+", expression):
+        name = token.split("*")[0]          # `rack1*2`: two nodes with feature rack1
+        if name:
+            names.append(name)
+    return names
 
 
 def format_table(rows: list[list[str]]) -> str:

@@ -84,21 +84,24 @@ class Component:
     def gpus_per_node(self) -> int:
         return self.gres.count if self.gres and self.gres.name == "gpu" else 0
 
-    def sbatch_options(self) -> list[str]:
-        """The component's `#SBATCH` options, in the order an admin reads them."""
-        opts = [f"--partition={self.partition}", f"--nodes={self.nodes}", "--ntasks-per-node=1",
-                f"--cpus-per-task={self.cpus_per_task}"]
+    def options(self) -> list[tuple[str, str | None, str]]:
+        """The component's own `#SBATCH` options as (option, value or None for a flag, the spec field
+        it comes from), in the order an admin reads them; `extra` follows as written
+        (hpcrl.slurm.directives checks every one before it is written)."""
+        src = self.source
+        opts = [("partition", self.partition, f"{src}.partition"), ("nodes", str(self.nodes), f"{src}.nodes"),
+                ("ntasks-per-node", "1", src), ("cpus-per-task", str(self.cpus_per_task), f"{src}.cpus_per_task")]
         if self.mem_mb is not None:
-            opts.append(f"--mem={format_mem(self.mem_mb)}")
+            opts.append(("mem", format_mem(self.mem_mb), f"{src}.mem"))
         if self.gres is not None:
-            opts.append(f"--gres={self.gres}")
+            opts.append(("gres", str(self.gres), f"{src}.gres"))
         if self.time_min is not None:
-            opts.append(f"--time={format_minutes(self.time_min)}")
-        opts += [f"--{k}={v}" for k, v in (("account", self.account), ("qos", self.qos),
-                                            ("constraint", self.constraint)) if v]
+            opts.append(("time", format_minutes(self.time_min), f"{src}.time"))
+        opts += [(k, v, f"{src}.{k}") for k, v in (("account", self.account), ("qos", self.qos),
+                                                    ("constraint", self.constraint)) if v]
         if self.exclusive:
-            opts.append("--exclusive")
-        return opts + list(self.extra)
+            opts.append(("exclusive", None, f"{src}.exclusive"))
+        return opts
 
 
 def format_mem(mb: int) -> str:
