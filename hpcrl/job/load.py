@@ -36,8 +36,10 @@ def _pydantic_problem(err: dict) -> str:
     if kind == "missing":
         return f"{path}: required field is missing"
     msg = err["msg"].removeprefix("Value error, ")
-    return f"{path}: {msg} (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) \
-        else f"{path}: {msg}"
+    given = err.get("input")
+    if "input" in err and not isinstance(given, dict) and repr(given) not in msg:     # the parsers name it already
+        return f"{path}: {msg} (got {given!r})"
+    return f"{path}: {msg}"
 
 
 def parse_spec(data: Any, source: str = "spec", run_dir: str | Path | None = None) -> JobSpec:

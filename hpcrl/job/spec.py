@@ -71,25 +71,12 @@ class RoleSpec(BaseModel):
     """Extra `#SBATCH` flags for this component, one long option each, e.g. `--reservation=rlhf`
     (checked like every value of the script: hpcrl/slurm/directives.py)."""
 
-    @field_validator("time")
+    @field_validator("time", "mem", "gres")
     @classmethod
-    def _time(cls, v):
+    def _slurm_syntax(cls, v, info):
+        """The value parses as Slurm reads it (the parser's error names the syntax)."""
         if v is not None:
-            parse_time_minutes(v)
-        return v
-
-    @field_validator("mem")
-    @classmethod
-    def _mem(cls, v):
-        if v is not None:
-            parse_mem_mb(v)
-        return v
-
-    @field_validator("gres")
-    @classmethod
-    def _gres(cls, v):
-        if v is not None:
-            Gres.parse(v)
+            {"time": parse_time_minutes, "mem": parse_mem_mb, "gres": Gres.parse}[info.field_name](v)
         return v
 
     def gres_spec(self) -> Gres | None:
