@@ -50,8 +50,10 @@ class UnsafeValue(ValueError):
 
 def _control(text: str, field: str) -> str | None:
     bad = sorted({c for c in text if ord(c) < 32 or ord(c) == 127})
-    return bad and (f"{field}: {text!r} holds control characters {bad} (a newline ends Slurm's header: what "
-                    "follows would run as shell); remove them")
+    if not bad:
+        return None
+    return (f"{field}: {text!r} holds control characters {bad} (a newline ends Slurm's header: what follows "
+            "would run as shell); remove them")
 
 
 def value_problem(option: str, value: str, field: str) -> str | None:
@@ -59,8 +61,9 @@ def value_problem(option: str, value: str, field: str) -> str | None:
     text = str(value)
     pattern, allowed = KINDS.get(option, (PLAIN, "letters, digits and , : = / @ % + - [ ] * & | ( ) ! ~ ^ "
                                           "(no spaces, quotes, '#', '$', ';' or '\\')"))
-    if _control(text, field):
-        return _control(text, field)
+    control = _control(text, field)
+    if control:
+        return control
     if not pattern.fullmatch(text):
         return f"{field}: {text!r} is not a valid --{option} value; use {allowed}"
     return None
@@ -84,11 +87,11 @@ def output_path_problem(path: str, field: str) -> str | None:
     file-name patterns), no '#'."""
     text = str(path)
     bad = sorted(set(text) & set(" \t'\"#%\\"))
-    if _control(text, field) or bad:
-        return _control(text, field) or (f"{field}: {text!r} holds {bad}, which an #SBATCH --output line cannot "
-                                         "carry (Slurm splits it at spaces and quotes, and reads % as a file "
-                                         "pattern); choose a run directory without them")
-    return None
+    control = _control(text, field)
+    if control or not bad:
+        return control
+    return (f"{field}: {text!r} holds {bad}, which an #SBATCH --output line cannot carry (Slurm splits it at "
+            "spaces and quotes, and reads % as a file pattern); choose a run directory without them")
 
 
 def component_lines(c: Component) -> tuple[list[str], list[str]]:
