@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,6 +63,19 @@ def wait_until(cond, timeout: float, what: str, poll: float = 0.2):
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def kill_dead(pid: int) -> None:
+    """SIGKILL, and back once the process is gone: a process the kernel has not yet stopped (busy
+    in the kernel on a loaded machine) could otherwise still answer the next call."""
+    os.kill(pid, signal.SIGKILL)
+
+    def gone() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except (OSError, IndexError):
+            return True
+    wait_until(gone, 30, f"process {pid} to die")
 
 
 def job_records(job_id: str) -> list[dict]:

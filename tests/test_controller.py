@@ -3,7 +3,6 @@ real SIGKILLs."""
 import logging
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import kill_dead
 
 from hpcrl.controller import (
     Dispatch,
@@ -187,7 +187,7 @@ def test_killed_rank_rebuilds_its_role_only_and_the_call_completes(ray_local, ca
         x = Batch({"x": torch.arange(6)})
         fut = a.add.future(x, sleep=3.0)
         time.sleep(1.0)
-        os.kill(a_pids[1], signal.SIGKILL)
+        kill_dead(a_pids[1])
         with caplog.at_level(logging.WARNING, logger="hpcrl.controller"):
             out = fut.result()
         assert out["y"].tolist() == [i + 1 for i in range(6)]
@@ -207,9 +207,9 @@ def test_killed_rank_rebuilds_its_role_only_and_the_call_completes(ray_local, ca
 def test_restart_limit_stops_the_run_with_the_role_named(ray_local):
     a = WorkerGroup(ResourcePool.for_role("a"), Toy, restart_limit=1)
     try:
-        os.kill(a.pids()[0], signal.SIGKILL)
+        kill_dead(a.pids()[0])
         assert a.count() == [1]      # first death: rebuilt
-        os.kill(a.pids()[0], signal.SIGKILL)
+        kill_dead(a.pids()[0])
         with pytest.raises(RoleRestartLimit, match=r"role a: rank 0 died during count.*restart_limit=1"):
             a.count()
     finally:
@@ -220,7 +220,7 @@ def test_standby_process_takes_over_a_dead_rank(ray_local):
     a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Toy, standby=True)
     try:
         standby_pids = [int(p) for p in __import__("ray").get([h.pid.remote() for h in a._hosts.standby])]
-        os.kill(a.pids()[0], signal.SIGKILL)
+        kill_dead(a.pids()[0])
         assert a.allreduce(1) == [3.0, 3.0]
         assert a.pids() == standby_pids
     finally:

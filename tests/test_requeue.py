@@ -11,7 +11,8 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT, comparable, job_finished, plot_pixels_seen_by_chromium, sh, start_local_training, wait_until
+from conftest import (ROOT, comparable, job_finished, kill_dead, plot_pixels_seen_by_chromium, sh, start_local_training,
+                      wait_until)
 
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import PPOConfig
@@ -183,7 +184,7 @@ def test_a_rebuilt_role_comes_back_from_its_latest_committed_file(tmp_path):
         groups = build_worker_groups(cfg, model_dir, tmp_path)
         train(cfg, tmp_path, groups)
         critic, actor_pids = groups["critic"], groups["actor_rollout"].pids()
-        os.kill(critic.pids()[0], signal.SIGKILL)
+        kill_dead(critic.pids()[0])
         critic.save_checkpoint(str(tmp_path / "after.h5"), 4)     # rebuilt, restored, then saved
         assert groups["actor_rollout"].pids() == actor_pids
     finally:
