@@ -65,14 +65,14 @@ def replace_durably(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path: Path, text: str, mode: int | None = None) -> None:
+def atomic_write_text(path: Path, text: str | bytes, mode: int | None = None) -> None:
     """Write to a temporary name in the same directory, fsync, rename: readers see the old or the new
-    file, never a part of one, even after a crash."""
+    file, never a part of one, even after a crash. `text` may be bytes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if mode is None else mode)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

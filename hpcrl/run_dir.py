@@ -12,7 +12,8 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
             events.jsonl       start, checkpoint, stop, finish, fail
             metrics.jsonl      one record per step
             ray/               token (0600), cluster.json, ready.<run id>, stop.<run id>, failed/<node>
-            logs/              slurm-<job id>.out, <role>/rank<k>.log, ray/<node>.log
+            logs/              slurm-<job id>.out, <role>/rank<k>.log, <role>/rank<k>.calls.jsonl
+                               (each call a rank ran: method, step, start, end), ray/<node>.log
             ckpt/              the checkpoint store (its own layout: hpcrl/checkpoint/store.py)
             model/ prompts.jsonl   the built-in task's model and prompts, when the spec gives none
             cache/ tensorboard/ wandb/ report/ submitit/
@@ -26,6 +27,11 @@ from pathlib import Path
 def rank_log(logs: Path, role: str, rank: int) -> Path:
     """One rank's log under a logs folder (the WorkerGroup writes it; RunDir.rank_log names it)."""
     return Path(logs) / role / f"rank{rank}.log"
+
+
+def rank_calls(logs: Path, role: str, rank: int) -> Path:
+    """The calls one rank ran, a JSON line each (its WorkerHost writes them; the report draws them)."""
+    return Path(logs) / role / f"rank{rank}.calls.jsonl"
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,9 @@ class RunDir:
 
     def rank_log(self, role: str, rank: int) -> Path:
         return rank_log(self.logs, role, rank)
+
+    def rank_calls(self, role: str, rank: int) -> Path:
+        return rank_calls(self.logs, role, rank)
 
     @property
     def ray_logs(self) -> Path:

@@ -121,6 +121,17 @@ def test_policy_loss(dual):
     close(stats["approx_kl"], (-(lp - old) * m).sum() / m.sum())
 
 
+def test_truncated_importance_sampling_weights_the_policy_loss():
+    lp, old, rollout = (rng.normal(size=(B, T)) * 0.3 for _ in range(3))
+    adv, m, cap = rng.normal(size=(B, T)) * 2, holey_mask(), 1.5
+    w = np.array([[min(np.exp(old[i, j] - rollout[i, j]), cap) for j in range(T)] for i in range(B)])
+    close(algo.truncated_is_weights(t(old), t(rollout), cap), w)
+    ratio = np.exp(lp - old)
+    per = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2)) * w
+    loss, _ = algo.policy_loss(t(lp), t(old), t(adv), t(m), is_weights=algo.truncated_is_weights(t(old), t(rollout), cap))
+    close(loss, (per * m).sum() / m.sum())
+
+
 def test_value_loss_with_clip():
     v, old, ret, m = rng.normal(size=(B, T)), rng.normal(size=(B, T)), rng.normal(size=(B, T)), holey_mask()
     vc = old + np.clip(v - old, -0.2, 0.2)

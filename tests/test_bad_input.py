@@ -99,6 +99,14 @@ def test_relations_that_stop_a_job_are_errors():
                for p in refused({**GOOD, "train": {"rollout_engine": "vllm", "rollout_tensor_parallel": 2}}))
     assert any(p.startswith("val_dataset: missing") or "train.val_dataset: missing" in p
                for p in refused({**GOOD, "train": {"val_every": 5}}))
+    # a pipeline needs generation apart from the actor: a rollout role, not in the actor's processes
+    assert any("train.pipeline: one_step_off overlaps a separate rollout role" in p and "rollout_role: true" in p
+               for p in refused({**GOOD, "train": {"pipeline": "one_step_off"}}))
+    apart = {**GOOD, "roles": {**GOOD["roles"], "rollout": {"same_nodes_as": "actor_rollout"}}}
+    assert any("colocate puts rollout in actor_rollout's processes" in p for p in refused(
+        {**apart, "train": {"pipeline": "one_step_off", "rollout_role": True, "colocate": [["actor_rollout", "rollout"]]}}))
+    assert any("train.pipeline: 'two_steps_off' is not off or one_step_off" in p
+               for p in refused({**GOOD, "train": {"pipeline": "two_steps_off"}}))
 
 
 def test_a_run_directory_that_cannot_be_written_is_refused(tmp_path):

@@ -152,6 +152,34 @@ def test_truncated_and_flipped_files_are_detected_and_skipped(tmp_path, caplog):
     assert out.returncode == 1 and "step 1: ok" in out.stdout and "step 3: BAD" in out.stdout
 
 
+def test_batches_generated_ahead_come_back_exactly_and_a_damaged_file_is_skipped(tmp_path, caplog):
+    from hpcrl.controller.batch import Batch
+
+    store = CheckpointStore(tmp_path)
+    ahead = [Batch({"responses": torch.randint(0, 9, (4, 3)), "logp": torch.randn(4, 3).to(torch.bfloat16)},
+                   {"prompt": np.array(["1=", "22=", "3=", "4="], dtype=object), "group": np.arange(4)},
+                   {"step": s, "policy_version": s - 2}) for s in (5, 6)]
+    for step in (3, 4):
+        files = commit(store, step)
+        store.commit(step, files, {"step": step}, store.write_inflight(step, ahead))
+    back = store.read_inflight(store.manifest(4))
+    assert [b.meta for b in back] == [b.meta for b in ahead]
+    for got, want in zip(back, ahead):
+        assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want.tensors)
+        assert all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want.arrays)
+    with open(store.step_dir(4) / "inflight.pkl", "r+b") as fh:       # one flipped byte
+        fh.seek(40)
+        byte = fh.read(1)
+        fh.seek(40)
+        fh.write(bytes([byte[0] ^ 1]))
+    problems = store.verify(4)
+    assert len(problems) == 1 and problems[0].startswith("inflight.pkl: ") and "checksum" in problems[0], problems
+    with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
+        assert store.latest_good()[0] == 3
+    assert store.write_inflight(5, []) is None and "inflight" not in json.loads(
+        store.commit(5, commit(store, 5), {"step": 5}).read_text())
+
+
 def test_retention_keeps_the_newest_the_multiples_and_frozen_files(tmp_path):
     store = CheckpointStore(tmp_path, keep_last=2, keep_every=3)
     frozen = commit(store, 1, roles=("ref",))["ref"]

@@ -51,7 +51,7 @@ def test_urgent_job_preempts_and_victim_is_requeued(slurm_cluster, tmp_path):
     wait_until(lambda: marks.exists() and "start=" in marks.read_text(), 30, "victim running")
     urgent = sh("sbatch", "--parsable", "-p", "urgent", "-w", "a100n2", "--exclusive", "-o", "/dev/null",
                 "--wrap", "sleep 1").strip()
-    wait_until(lambda: job_finished(urgent), 60, "urgent job")
+    wait_until(lambda: job_finished(urgent), 120, "urgent job")
     wait_until(lambda: "start=1" in marks.read_text(), 90, "victim back with SLURM_RESTART_COUNT=1")
     wait_until(lambda: job_finished(victim), 30, "victim finishing")
     lines = marks.read_text().split()

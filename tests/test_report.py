@@ -6,7 +6,7 @@ import sys
 
 from conftest import ROOT, plot_pixels_seen_by_chromium
 
-from hpcrl.observe.report import CURVES, restarts
+from hpcrl.observe.report import CURVES, restarts, timeline_spans
 
 
 def fake_requeued_run(run):
@@ -16,13 +16,32 @@ def fake_requeued_run(run):
     records = [{"step": s, "reward/mean": min(1, s / 100), "reward/max": 1.0, "kl": 0.01 * s, "kl_coef": 0.01,
                 "actor/pg_loss": -0.01, "actor/clipfrac": 0.1, "actor/entropy": 2 - s / 100, "critic/vf_loss": 1 / s,
                 "response_length/mean": 3.0, "timing/generate": 0.05, "timing/score": 0.1, "timing/update_critic": 0.1,
-                "timing/update_actor": 0.1, "timing/step": 0.4, "throughput/tokens_per_s": 1000} for s in range(1, 201)]
+                "timing/update_actor": 0.1,
+                "timing/step": 0.4, "time": 1000 + 0.4 * s, "throughput/tokens_per_s": 1000} for s in range(1, 201)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     events = [{"event": "start", "step": 0}, {"event": "checkpoint", "step": 60}, {"event": "checkpoint", "step": 64},
               {"event": "stop", "step": 64}, {"event": "start", "step": 64, "resumed": True},
               {"event": "checkpoint", "step": 200}, {"event": "finish", "step": 200}]
     (run / "events.jsonl").write_text("".join(json.dumps({"time": i, **e}) + "\n" for i, e in enumerate(events)))
     (run / "spec.yaml").write_text((ROOT / "jobs" / "tiny-cpu.yaml").read_text())
+    # a pipelined schedule: the rollout generates step s+1 while the actor trains step s
+    calls = {"rollout": [("generate_sequences", s + 1, 1000 + 0.4 * s - 0.4, 1000 + 0.4 * s - 0.1) for s in range(1, 200)],
+             "actor_rollout": [("update_actor", s, 1000 + 0.4 * s - 0.3, 1000 + 0.4 * s) for s in range(1, 201)]}
+    for role, rows in calls.items():
+        (run / "logs" / role).mkdir(parents=True)
+        (run / "logs" / role / "rank0.calls.jsonl").write_text("".join(
+            json.dumps({"method": m, "step": st, "start": a, "end": b}) + "\n" for m, st, a, b in rows))
+
+
+def test_the_timeline_holds_the_calls_of_the_last_steps_clipped_to_them():
+    records = [{"step": s, "time": 10.0 * s} for s in range(1, 9)]          # steps end at 10, 20, ... 80
+    calls = {"rollout": [{"method": "generate_sequences", "start": 10.0 * s - 12, "end": 10.0 * s - 4} for s in range(1, 9)],
+             "critic": [{"method": "update_critic", "start": 10.0 * s - 3, "end": 10.0 * s - 1} for s in range(1, 9)]}
+    t0, t1, lanes, ends = timeline_spans(calls, records, steps=2)
+    assert (t0, t1, ends) == (60.0, 80.0, [10.0, 20.0])
+    assert lanes["rollout"] == [(0.0, 6.0, "generate_sequences"), (8.0, 16.0, "generate_sequences")]   # 58-66 clipped
+    assert lanes["critic"] == [(7.0, 9.0, "update_critic"), (17.0, 19.0, "update_critic")]
+    assert timeline_spans({}, records) is None
 
 
 def test_restarts_are_the_later_starts():
@@ -39,7 +58,7 @@ def test_report_writes_pngs_and_an_html_that_chromium_renders(tmp_path):
     index = run / "report" / "index.html"
     assert out.stdout.strip() == f"report: {index}"
     pngs = {p.name for p in (run / "report").glob("*.png")}
-    assert pngs == {"phase_time.png", *(name for name, *_ in CURVES if name != "validation.png")}   # no held-out set
+    assert pngs == {"timeline.png", *(name for name, *_ in CURVES if name != "validation.png")}   # no held-out set
     for name in pngs:
         assert (run / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = index.read_text()

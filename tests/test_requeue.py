@@ -54,12 +54,14 @@ def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
     assert_same_training(tmp_path / "once", tmp_path / "twice", 12)
 
 
-def short_spec(tmp_path, name, **overrides):
-    """jobs/tiny-cpu.yaml for 40 steps, its critic data-parallel on both h100 nodes, writing its
-    checkpoints with parallel HDF5."""
-    spec = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())
+def short_spec(tmp_path, name, job="tiny-cpu.yaml", **overrides):
+    """A job of jobs/ for 40 steps, its critic data-parallel on both h100 nodes, writing its
+    checkpoints with parallel HDF5 (the pipelined job's actor moves to a100 to make room)."""
+    spec = yaml.safe_load((ROOT / "jobs" / job).read_text())
     spec["train"].update(total_steps=40, progress=False, checkpoint_io="parallel")
     spec["roles"]["critic"]["nodes"] = 2
+    if spec["roles"]["actor_rollout"]["partition"] == "h100":
+        spec["roles"]["actor_rollout"].update(partition="a100", gpu_type="a100")
     spec.update(overrides)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -95,8 +97,10 @@ def slurm_log(run):
 
 
 @pytest.mark.slurm
-def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
-    spec = short_spec(tmp_path, "tiny")
+def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
+    """jobs/tiny-cpu-pipelined.yaml: the checkpoint taken on the signal holds the batch the rollout
+    had generated ahead (with the weights before the checkpoint's), and the resumed run trains on it."""
+    spec = short_spec(tmp_path, "tiny", job="tiny-cpu-pipelined.yaml")
     once, twice = tmp_path / "once", tmp_path / "twice"
     job = submit(spec, once)
     wait_until(lambda: job_finished(job), 600, "uninterrupted run")
@@ -107,7 +111,7 @@ def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
     wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= at, 300, f"{at} steps")
     st = status(twice)   # while it runs, from the login node: no Ray connection
     assert st["run"]["state"] == "running" and st["run"]["step"] >= at - 1, st["run"]
-    assert [c["state"] for c in st["components"]] == ["RUNNING"] * 3
+    assert [c["state"] for c in st["components"]] == ["RUNNING"] * 4
     assert all(role["state"] == "alive" for role in st["run"]["roles"].values())
     node = json.loads((twice / "allocation.json").read_text())["components"][0]["nodes"][0]["name"]
     urgent = sh("sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-o", "/dev/null",
@@ -116,6 +120,8 @@ def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
     wait_until(lambda: job_finished(job), 600, "preempted run to requeue and finish")
     log = slurm_log(twice)
     assert "stopped after step" in log and "resumed from checkpoint step" in log, log
+    stopped_at = int(re.search(r"stopped after step (\d+)", log).group(1))
+    assert f"resumed from checkpoint step {stopped_at} " in log and f"batches of steps [{stopped_at + 1}] were generated ahead" in log
     assert json.loads((twice / "allocation.json").read_text())["restart_count"] >= 1
     assert_same_training(once, twice, 40)
     for run in (once, twice):
@@ -125,7 +131,6 @@ def test_preempted_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
     assert st["job"]["restart_count"] >= 1 and st["run"]["state"] == "finished" and st["checkpoint"]["step"] == 40
     # the report of a real requeue: the restart is in the page, and the page renders its plots
     subprocess.run([sys.executable, "-m", "hpcrl", "report", str(twice)], cwd=ROOT, check=True, capture_output=True)
-    stopped_at = int(re.search(r"stopped after step (\d+)", log).group(1))
     page = (twice / "report" / "index.html").read_text()
     assert f"1 (resumed at steps {stopped_at})" in page, page
     assert plot_pixels_seen_by_chromium(twice / "report" / "index.html", tmp_path / "shot.png") > 5000

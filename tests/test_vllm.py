@@ -74,9 +74,9 @@ def test_a_sync_that_changes_nothing_leaves_generations_bit_identical(groups):
     assert torch.equal(before["responses"], after["responses"])
     assert torch.equal(before["rollout_log_probs"], after["rollout_log_probs"])
 
-    rollout.load_weights(actor.export_weights.future())
+    rollout.load_weights(actor.export_weights.future(), 1)
     first = rollout.generate_sequences(prompts)
-    rollout.load_weights(actor.export_weights.future())
+    rollout.load_weights(actor.export_weights.future(), 1)
     second = rollout.generate_sequences(prompts)
     assert torch.equal(first["responses"], second["responses"])
     assert torch.equal(first["rollout_log_probs"], second["rollout_log_probs"])
@@ -95,7 +95,7 @@ def test_new_weights_reach_both_engines(groups):
 
     actor.sync_rollout_weights()
     assert gap_to_trainer(actor, actor.generate_sequences(prompts)) <= 1e-5
-    rollout.load_weights(actor.export_weights.future())
+    rollout.load_weights(actor.export_weights.future(), 1)
     assert gap_to_trainer(actor, rollout.generate_sequences(prompts)) <= 1e-5
 
 

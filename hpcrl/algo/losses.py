@@ -29,12 +29,13 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: f
 
 
 def policy_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=None,
-                agg="token-mean", total_tokens=None, total_seqs=None):
+                agg="token-mean", total_tokens=None, total_seqs=None, is_weights=None):
     """Clipped surrogate (Schulman et al. 2017) with separate low/high ε and dual clip (Ye et al. 2020):
 
         ρ = exp(clamp(log π − log π_old, −20, 20))
         L = max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))
         if A < 0 and dual_clip c > 1:  L = min(L, −A·c)
+        L = w·L  with is_weights w (no gradient), e.g. truncated_is_weights
 
     Returns (loss, stats) with stats clipfrac (share of valid tokens where the ε clip was active),
     approx_kl (mean of −log ρ) and dual_clipfrac."""
@@ -50,12 +51,22 @@ def policy_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.2, clip_h
         loss3 = -advantages * dual_clip
         dual = (advantages < 0) & (loss3 < clipped)
         clipped = torch.where(advantages < 0, torch.minimum(clipped, loss3), clipped)
+    if is_weights is not None:
+        clipped = clipped * is_weights.detach()
     loss = aggregate(clipped, mask, agg, total_tokens, total_seqs)
     m = mask.to(log_probs.dtype)
     with torch.no_grad():
         stats = {"clipfrac": _frac(loss2 > loss1, m), "approx_kl": float((-log_ratio * m).sum() / m.sum().clamp_min(1)),
                  "dual_clipfrac": _frac(dual, m)}
     return loss, stats
+
+
+def truncated_is_weights(old_log_probs, rollout_log_probs, cap: float):
+    """Truncated importance sampling (Yao et al. 2025, verl's TIS): the sampler's weights or kernels
+    differ from the actor's, so its tokens came from π_rollout, not π_old:
+
+        w = min(exp(log π_old − log π_rollout), cap)"""
+    return torch.exp((old_log_probs - rollout_log_probs).clamp(-20.0, 20.0)).clamp(max=cap)
 
 
 def value_loss(values, old_values, returns, mask, clip=None, agg="token-mean", total_tokens=None, total_seqs=None):

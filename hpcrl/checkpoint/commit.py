@@ -21,9 +21,11 @@ class RoleCheckpoints:
         for role, wg in groups.items():
             wg.on_restart(lambda role=role: self.restore_role(role))
 
-    def save(self, step: int, driver_state: dict, background: bool = False) -> None:
+    def save(self, step: int, driver_state: dict, background: bool = False, inflight: list = ()) -> None:
+        """inflight: the batches a pipelined run generated ahead of `step` (hpcrl/checkpoint/inflight.py)."""
         self.finish()
         t0 = time.perf_counter()
+        ahead = self.store.write_inflight(step, list(inflight))
         background = background and self.background
         files, futures = {}, {}
         for role, wg in self.groups.items():
@@ -36,7 +38,7 @@ class RoleCheckpoints:
             files[role] = {"path": str(path.relative_to(self.store.root)), **fut.result()[0]}
             if self.frozen[role]:
                 self.written[role] = files[role]
-        self.pending = (step, files, driver_state, t0, set(futures))
+        self.pending = (step, files, driver_state, ahead, t0, set(futures))
         if not background:
             self.finish()
 
@@ -44,16 +46,17 @@ class RoleCheckpoints:
         """Wait for background writes, then commit the step."""
         if self.pending is None:
             return
-        step, files, driver_state, t0, fresh = self.pending
+        step, files, driver_state, ahead, t0, fresh = self.pending
         for role, info in files.items():
             if info.pop("pending", False):
                 info.update(self.groups[role].finish_checkpoint())
-        self.store.commit(step, files, driver_state)
+        self.store.commit(step, files, driver_state, ahead)
         self.pending = None
         self.on_commit(step, sum(files[r]["bytes"] for r in fresh), time.perf_counter() - t0)
 
-    def resume(self) -> tuple[int, dict, int] | None:
-        """Load every role from the newest good step: (step, the driver's state, bytes read), or None."""
+    def resume(self) -> tuple[int, dict, int, list] | None:
+        """Load every role from the newest good step: (step, the driver's state, bytes read, the
+        batches generated ahead of it), or None."""
         found = self.store.latest_good()
         if found is None:
             return None
@@ -63,7 +66,8 @@ class RoleCheckpoints:
         for f in futures:
             f.result()
         self.written = {r: info for r, info in manifest["roles"].items() if self.frozen.get(r)}
-        return step, manifest["driver"], sum(info["bytes"] for r, info in manifest["roles"].items() if r in self.groups)
+        return (step, manifest["driver"], sum(info["bytes"] for r, info in manifest["roles"].items() if r in self.groups),
+                self.store.read_inflight(manifest))
 
     def restore_role(self, role: str) -> None:
         """After a role was rebuilt: its file from the newest committed step, if there is one."""

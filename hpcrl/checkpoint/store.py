@@ -2,6 +2,7 @@
 
     RUN_DIR/ckpt/step_00000120/actor_rollout.h5   one file per role, written by the role itself
     RUN_DIR/ckpt/step_00000120/critic.h5
+    RUN_DIR/ckpt/step_00000120/inflight.pkl       a pipelined run's batches generated ahead (inflight.py)
     RUN_DIR/ckpt/step_00000120/MANIFEST.json      written last by the driver: the step counts only now
     RUN_DIR/ckpt/LATEST                           "step_00000120", updated after the manifest
 
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 from hpcrl.checkpoint.format import FORMAT_VERSION, verify_role_file
+from hpcrl.checkpoint.inflight import inflight_problem, read_inflight, write_inflight
 from hpcrl.files import atomic_write_text, free_bytes
 from hpcrl.run_dir import RunDir
 
@@ -35,10 +37,23 @@ class CheckpointStore:
     def role_path(self, step: int, role: str) -> Path:
         return self.step_dir(step) / f"{role}.h5"
 
-    def commit(self, step: int, files: dict[str, dict], driver_state: dict) -> Path:
-        """The step exists from here on. files: role -> {"path" (relative to ckpt/), "bytes", ...}."""
+    def write_inflight(self, step: int, batches: list) -> dict | None:
+        """The batches generated ahead of `step`, for its manifest (None: there are none)."""
+        if not batches:
+            return None
+        path = self.step_dir(step) / "inflight.pkl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return {"path": str(path.relative_to(self.root)), **write_inflight(path, batches)}
+
+    def read_inflight(self, manifest: dict) -> list:
+        info = manifest.get("inflight")
+        return read_inflight(self.root / info["path"]) if info else []
+
+    def commit(self, step: int, files: dict[str, dict], driver_state: dict, inflight: dict | None = None) -> Path:
+        """The step exists from here on. files: role -> {"path" (relative to ckpt/), "bytes", ...};
+        inflight: what write_inflight returned."""
         manifest = {"format_version": FORMAT_VERSION, "step": step, "time": time.time(), "roles": files,
-                    "driver": driver_state}
+                    "driver": driver_state, **({"inflight": inflight} if inflight else {})}
         path = self.step_dir(step) / "MANIFEST.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(manifest, indent=1))
@@ -68,6 +83,8 @@ class CheckpointStore:
             problem = verify_role_file(path)
             if problem:
                 problems.append(f"{role}: {problem}")
+        if m.get("inflight") and (problem := inflight_problem(self.root / m["inflight"]["path"], m["inflight"])):
+            problems.append(problem)
         return problems
 
     def refused_write(self, why: str, step: int) -> str:

@@ -8,6 +8,7 @@ it starts the process group (gloo on CPU, nccl on GPU), builds one Worker per ro
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import sys
@@ -18,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpcrl.run_dir import rank_log
+from hpcrl.run_dir import rank_calls, rank_log
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class WorkerHost:
         self.roles, self.log_dir = roles, log_dir
         self.rank, self.current = 0, roles[0]
         self.workers: dict[str, Worker] = {}
-        self.files = {}
+        self.files, self.calls = {}, {}
 
     def log_line(self, line: str, echo) -> None:
         prefixed = f"[{self.current} rank{self.rank}] {line}\n"
@@ -111,6 +112,7 @@ class WorkerHost:
                 path = rank_log(self.log_dir, role, rank)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 self.files[role] = open(path, "a", buffering=1)
+                self.calls[role] = open(rank_calls(self.log_dir, role, rank), "a", buffering=1)
             sys.stdout, sys.stderr = RoleLog(self, sys.__stdout__), RoleLog(self, sys.__stderr__)
         if gpu_ids is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))   # before CUDA is first touched
@@ -132,12 +134,16 @@ class WorkerHost:
         return os.getpid(), [str(g) for g in ray.get_gpu_ids()] if gpu_ids is None else gpu_ids
 
     def execute(self, role: str, method: str, /, *args, **kwargs):
-        self.current = role
+        self.current, start = role, time.time()
         try:
             return getattr(self.workers[role], method)(*args, **kwargs)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            if role in self.calls:   # when each call ran, for the report's lanes and for overlap tests
+                step = next((a.meta.get("step") for a in args if hasattr(a, "meta")), None)
+                self.calls[role].write(json.dumps({"method": method, "step": step, "start": round(start, 4),
+                                                   "end": round(time.time(), 4)}) + "\n")
 
     def pid(self) -> int:
         return os.getpid()

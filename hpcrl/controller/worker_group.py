@@ -144,6 +144,10 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self._hosts.actors)
 
+    def shares_processes_with(self, other: WorkerGroup) -> bool:
+        """Colocated with `other`: their calls run one after the other in the same processes."""
+        return self._hosts is other._hosts
+
     def pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self._hosts.actors])
 

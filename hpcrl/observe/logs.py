@@ -2,7 +2,8 @@
 
     driver     logs/slurm-<job>.out: the batch script's [hpcrl] lines and the driver's dated lines
                (one file per start of the job: a requeued job writes a new one)
-    <role>     logs/<role>/rank<k>.log: every line dated, with [role rankK]
+    <role>     logs/<role>/rank<k>.log: every line dated, with [role rankK]; beside it
+               rank<k>.calls.jsonl, each call the rank ran (method, step, start, end): read_calls
     ray        logs/ray/<node>.log: each node's `ray start`
 
 Merging uses the date that starts a line; a line without one (a traceback, a script line) keeps
@@ -10,6 +11,7 @@ the date of the line before it in its file.
 """
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -47,6 +49,18 @@ def log_files(run_dir: Path, which: str | None = None, rank: int | None = None) 
     if rank is not None and not any("/rank" in f.source for f in files):
         raise ValueError(f"no rank{rank}.log for {which or 'any role'} in {logs}")
     return files
+
+
+def read_calls(run_dir: Path, rank: int = 0) -> dict[str, list[dict]]:
+    """role -> the calls its rank `rank` ran, in order (roles without a calls file are left out)."""
+    paths, out = RunDir(run_dir), {}
+    if not paths.logs.is_dir():
+        return out
+    for role in sorted(p.name for p in paths.logs.iterdir() if p.is_dir() and p != paths.ray_logs):
+        path = paths.rank_calls(role, rank)
+        if path.exists():   # a line cut short by a crash is skipped
+            out[role] = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return out
 
 
 def _job_number(path: Path) -> int:

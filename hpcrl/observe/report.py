@@ -1,9 +1,10 @@
 """`hpcrl report RUN_DIR`: RUN_DIR/report/ with one PNG per view of the run and an index.html.
 
 Reads only files: metrics.jsonl (one record per step, continuous across requeues since a resumed
-run truncates to its checkpoint), events.jsonl (starts, checkpoints), spec.yaml, allocation.json.
-Works on a running, finished or requeued run. Restarts are dashed vertical lines on every plot;
-the phase-time chart also marks each checkpoint on its x axis.
+run truncates to its checkpoint), events.jsonl (starts, checkpoints), spec.yaml, allocation.json,
+and the roles' calls (logs/<role>/rank0.calls.jsonl) for the timeline: one lane per role on a time
+axis over the last steps, where a pipelined run's overlap shows. Works on a running, finished or
+requeued run. Restarts are dashed vertical lines on every curve.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+from hpcrl.observe.logs import read_calls
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events, read_status
 from hpcrl.run_dir import RunDir
@@ -27,7 +29,10 @@ CURVES = [
     ("response_length.png", "Response length", [("response_length/mean", "mean"), ("response_length/max", "max"),
                                                  ("val/response_length/mean", "held-out mean")], "tokens"),
     ("throughput.png", "Throughput", [("throughput/tokens_per_s", "tokens/s")], "tokens / s"),
+    ("step_time.png", "Time per step", [("timing/step", "step"), ("timing/generate", "waiting for its batch")],
+     "seconds"),
 ]
+TIMELINE_STEPS = 6    # the timeline shows the last few steps: a whole run's calls would merge into one bar
 
 
 def restarts(events: list[dict]) -> list[int]:
@@ -71,30 +76,36 @@ def _plot_curves(ax, records, series, restart_steps):
     ax.grid(alpha=0.3)
 
 
-def phase_chart(ax, records, checkpoint_steps, restart_steps):
-    """Stacked seconds per phase for every step; 'other' is the step's time the phases do not cover."""
-    import numpy as np
+def timeline_spans(calls: dict[str, list[dict]], records: list[dict], steps: int = TIMELINE_STEPS):
+    """(t0, t1, {role: [(start, end, method)]}, step ends) for the last `steps` steps: every call
+    that ran in that window, clipped to it; times in seconds from t0."""
+    ends = [r["time"] for r in records if "time" in r and r.get("step")]
+    if not ends or not calls:
+        return None
+    t1 = ends[-1]
+    t0 = ends[-steps - 1] if len(ends) > steps else min(c["start"] for cs in calls.values() for c in cs)
+    lanes = {role: [(max(c["start"], t0) - t0, min(c["end"], t1) - t0, c["method"]) for c in cs
+                    if c["end"] > t0 and c["start"] < t1] for role, cs in calls.items()}
+    return t0, t1, {r: spans for r, spans in lanes.items() if spans}, [e - t0 for e in ends if t0 < e <= t1]
 
-    steps = np.array([r["step"] for r in records])
-    phases = list(dict.fromkeys(k for r in records for k in r if k.startswith("timing/") and k != "timing/step"))
-    series = {p.removeprefix("timing/"): np.array([r.get(p, 0.0) for r in records]) for p in phases}
-    covered = sum(series.values(), np.zeros(len(records)))
-    series["other"] = np.maximum(np.array([r.get("timing/step", 0.0) for r in records]) - covered, 0)
-    bottom = np.zeros(len(records))
-    for phase, ys in series.items():
-        if ys.any():
-            ax.bar(steps, ys, bottom=bottom, width=1.0, label=phase, linewidth=0)
-            bottom += ys
-    top = max(bottom.max(), 1e-3) if len(bottom) else 1.0
-    if checkpoint_steps:
-        ax.plot(checkpoint_steps, [-0.03 * top] * len(checkpoint_steps), "v", color="black", markersize=5,
-                label="checkpoint", clip_on=False)
-    for i, s in enumerate(restart_steps):
-        ax.axvline(s + 0.5, color="crimson", linestyle="--", linewidth=1.2, label="requeue (resumed here)" if i == 0 else None)
-    ax.set_ylim(-0.06 * top, top * 1.05)
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+def timeline_chart(ax, spans) -> None:
+    """One lane per role; a bar per call, coloured by method; thin lines where steps ended."""
+    from matplotlib.patches import Patch
+
+    t0, t1, lanes, step_ends = spans
+    methods = list(dict.fromkeys(m for cs in lanes.values() for _, _, m in cs))
+    colour = {m: f"C{i % 10}" for i, m in enumerate(methods)}
+    for y, (role, cs) in enumerate(reversed(list(lanes.items()))):
+        for start, end, method in cs:
+            ax.broken_barh([(start, max(end - start, (t1 - t0) * 0.002))], (y - 0.35, 0.7), color=colour[method])
+    ax.set_yticks(range(len(lanes)), list(reversed(list(lanes))))
+    for x in step_ends:
+        ax.axvline(x, color="0.6", linewidth=0.6)
+    ax.set_xlim(0, t1 - t0)
+    ax.set_xlabel("seconds (grey lines: a step ended)")
+    ax.legend(handles=[Patch(color=colour[m], label=m) for m in methods],
+              fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def write_report(run_dir: Path) -> Path:
@@ -111,7 +122,6 @@ def write_report(run_dir: Path) -> Path:
         raise ValueError(f"{paths.metrics}: no steps recorded yet; nothing to report")
     events = read_events(run_dir)
     restart_steps = restarts(events)
-    checkpoint_steps = [e["step"] for e in events if e["event"] == "checkpoint"]
     out = paths.report
     out.mkdir(exist_ok=True)
     figures = []
@@ -126,13 +136,15 @@ def write_report(run_dir: Path) -> Path:
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         figures.append((name, title))
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    phase_chart(ax, records, checkpoint_steps, restart_steps)
-    ax.set_title("Where each step's time went (▼ checkpoint, dashed: requeue)")
-    fig.tight_layout()
-    fig.savefig(out / "phase_time.png", dpi=110)
-    plt.close(fig)
-    figures.insert(0, ("phase_time.png", "Time per step, by phase"))
+    spans = timeline_spans(read_calls(run_dir), records)
+    if spans:
+        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(spans[2])))
+        timeline_chart(ax, spans)
+        ax.set_title(f"What each role did during the last {len(spans[3])} steps (rank 0)")
+        fig.tight_layout()
+        fig.savefig(out / "timeline.png", dpi=110)
+        plt.close(fig)
+        figures.insert(0, ("timeline.png", "Timeline of the roles' calls"))
     index = out / "index.html"
     index.write_text(_html(run_dir, records, events, restart_steps, figures))
     return index

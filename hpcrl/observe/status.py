@@ -4,7 +4,8 @@
                            ends a rebuild: state, step, phase, each role's ranks and health, the
                            last committed checkpoint
     RUN_DIR/events.jsonl   appended: start (and from which checkpoint), checkpoint (step, size,
-                           seconds), stop (why), finish, fail; one JSON object per line
+                           seconds), rebuild and rebuilt (a role, and the batches generated ahead
+                           meanwhile), stop (why), finish, fail; one JSON object per line
 
 Both survive the job: `hpcrl status` and `hpcrl report` read them during the run and after it.
 Neither may stop a run: when the run directory cannot take a write (a full disk), the status

@@ -48,6 +48,7 @@ LIMITS: dict[str, tuple] = {
     "entropy_coef": (0, None), "critic_warmup": (0, None),
     "save_every": (0, None), "keep_last": (0, None), "keep_every": (0, None), "restart_limit": (0, None),
     "val_every": (0, None), "val_samples": (1, None), "val_temperature": (0, None),
+    "max_staleness": (1, None), "tis_cap": (0, None),
 }
 
 
@@ -143,6 +144,18 @@ class PPOConfig:
     rollout_role: bool = False
     """generate in a separate `rollout` role (its own nodes in the spec) instead of in actor_rollout;
     the actor's weights travel to it through Ray's object store after every update"""
+    pipeline: str = "off"
+    """"off": each step generates, scores and trains in turn. "one_step_off": the rollout role
+    generates the batch of step k+1 (with the weights of step k−1) while step k is scored and
+    trained, and scores it (reward, reference) while step k still trains; needs rollout_role.
+    The PPO ratio still uses log-probs the actor recomputes before its update"""
+    max_staleness: int = 1
+    """one_step_off: batches generated ahead of the step being trained, so a batch trains with
+    weights this many updates newer than the ones that sampled it"""
+    tis_cap: float = 0.0
+    """> 0: truncated importance sampling (verl's TIS): each token's policy loss is weighted by
+    min(π_actor/π_rollout, tis_cap) of its old log-probs, which corrects for the sampler's weights
+    (or kernels) differing from the actor's; 0: off"""
     rollout_tensor_parallel: int = 1
     """vLLM tensor parallel size: GPUs per engine (CPU: 1)"""
     rollout_gpu_memory: float = 0.5
@@ -311,6 +324,15 @@ class PPOConfig:
             p.append(f"rollout_engine: {self.rollout_engine!r} is not torch or vllm")
         if self.rollout_tensor_parallel < 1 or (self.rollout_tensor_parallel > 1 and self.rollout_engine != "vllm"):
             p.append(f"rollout_tensor_parallel: {self.rollout_tensor_parallel} needs rollout_engine: vllm and must be ≥ 1")
+        if self.pipeline not in ("off", "one_step_off"):
+            p.append(f"pipeline: {self.pipeline!r} is not off or one_step_off")
+        elif self.pipeline == "one_step_off" and not self.rollout_role:
+            p.append("pipeline: one_step_off overlaps a separate rollout role with the trainers; set "
+                     "rollout_role: true (and give roles.rollout its nodes), or pipeline: off")
+        elif self.pipeline == "one_step_off" and any("rollout" in g and "actor_rollout" in g for g in self.colocate
+                                                     if isinstance(g, list)):
+            p.append("pipeline: one_step_off, but colocate puts rollout in actor_rollout's processes, where the "
+                     "two cannot run at once; place rollout apart, or pipeline: off")
         if self.train_engine not in ("torch", "megatron"):
             p.append(f"train_engine: {self.train_engine!r} is not torch or megatron")
         for name in ("tensor_parallel", "pipeline_parallel"):

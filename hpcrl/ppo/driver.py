@@ -10,6 +10,19 @@ Per step:
     critic.update_critic ─► actor_rollout.update_actor (after critic_warmup) ─► weights to rollout
     every val_every steps: the held-out prompts answered and scored (hpcrl/ppo/validation.py)
 
+With `pipeline: one_step_off` (a separate rollout role) the batch of step k+1 is generated while
+step k is scored and trained, and scored by the roles that need no trained weights (reward, and
+ref unless it shares the actor's processes) as soon as it exists:
+
+    rollout   │ gen k+1 (weights k−1) │ gen k+2 (weights k) │
+    ref,reward│     score k+1 ┆       │     score k+2       │
+    actor     │ old log-probs k, update k ─► weights │ log-probs k+1, update k+1 ─► ...
+    critic    │ values k, update k                   │ values k+1, update k+1
+
+Each batch records the policy version that sampled it; `max_staleness` batches are in flight, and a
+checkpoint keeps them (hpcrl/checkpoint/inflight.py), so a resumed run trains what an uninterrupted
+one would.
+
 Started by hpcrl/launch/driver.py, the one way in: inside a job (`python -m hpcrl.launch RUN_DIR`,
 what the batch script runs), through submitit, or locally (`hpcrl run SPEC --local`).
 """
@@ -18,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -126,6 +140,22 @@ def explained_variance(values, returns, mask) -> float:
     return float(1 - torch.var(returns[m] - values[m]) / var) if var > 0 else float("nan")
 
 
+@dataclasses.dataclass
+class _Generation:
+    """One step's batch in the making: its generation (a future until collected, or a Batch read
+    back from a checkpoint) and the scores issued on it as soon as it was generated."""
+    step: int
+    generated: object             # GroupFuture or Batch
+    scored: list                  # GroupFutures of weight-free roles on it
+
+    def collect(self) -> Batch:
+        batch = self.generated if isinstance(self.generated, Batch) else self.generated.result()
+        for f in self.scored:
+            batch = batch.union(f.result())
+        self.generated, self.scored = batch, []
+        return batch
+
+
 class _Timer:
     """Times each phase of a step, and tells the run status which phase is running."""
 
@@ -177,12 +207,22 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
 def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, stop: StopRequest, log: MetricsLog):
     actor, critic, ref, reward = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "reward"))
     rollout = groups.get("rollout")
+    pipelined = cfg.pipeline == "one_step_off"
+    lead = cfg.max_staleness if pipelined else 0      # batches generated ahead of the one in training
+    version = 0                                       # the step whose actor update made the current weights
 
-    def sync_weights() -> None:
+    def sync_weights():
+        """The actor's weights (of step `version`) to the generating engine: a future when that is
+        the rollout role (its next generation waits behind it on the role's processes)."""
         if rollout:
-            rollout.load_weights(actor.export_weights.future())
-        else:
-            actor.sync_rollout_weights()
+            return rollout.load_weights.future(actor.export_weights.future(), version)
+        actor.sync_rollout_weights(version)
+        return None
+
+    def resync() -> None:
+        pending = sync_weights()
+        if pending is not None:
+            pending.result()
 
     def committed(step: int, nbytes: int, seconds: float) -> None:
         status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))
@@ -208,21 +248,40 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
     # the rollout role holds a copy of the actor's weights: nothing of its own to save
     checkpoints = RoleCheckpoints(CheckpointStore(run_dir, cfg.keep_last, cfg.keep_every),
                                   {r: g for r, g in groups.items() if r != "rollout"}, cfg.async_save, committed)
-    if rollout:   # after a rebuild (and the actor's restore) the rollout must hold the actor's weights
-        for wg in (rollout, actor):
-            wg.on_restart(sync_weights)
+    for wg in (rollout, actor) if rollout else (actor,):   # after a rebuild (and the actor's restore): the weights
+        wg.on_restart(resync)
+
+    # scoring that needs no trained weights: pipelined, it runs as soon as a batch is generated,
+    # while the step before still trains, unless it shares a trainer's processes (it would hold them up)
+    weight_free = [reward.compute_scores] + ([ref.compute_ref_log_prob] if ref else [])
+    early = [m for m in weight_free if pipelined and not any(m.wg.shares_processes_with(t) for t in (actor, critic) if t)]
+    late = [m for m in weight_free if m not in early] + [actor.compute_log_prob] + ([critic.compute_values] if critic else [])
+    ahead: deque[_Generation] = deque()
+
+    def generate(step: int) -> _Generation:
+        prompts = dataset.next_batch()
+        if cfg.n_samples > 1:
+            prompts = prompts.repeat(cfg.n_samples)
+            prompts["group"] = np.repeat(np.arange(cfg.batch_size), cfg.n_samples)
+        prompts.meta["step"] = step
+        generated = (rollout or actor).generate_sequences.future(prompts)
+        return _Generation(step, generated, [m.future(generated) for m in early])
+
+    _tell_rebuilds(groups, ahead, status)
     start = 0
     t_load = time.perf_counter()
     resumed = checkpoints.resume()
     if resumed:
-        start, state, nbytes = resumed
+        start, state, nbytes, inflight = resumed
         dataset.load_state_dict(state["dataset"])
         kl_ctl.value = state["kl_coef"]
+        version = state.get("policy_version", start if start > cfg.critic_warmup else 0)
+        ahead.extend(_Generation(b.meta["step"], b, []) for b in inflight)
         log.truncate(state["metrics_bytes"])   # steps after the checkpoint are done again
         print(f"{_now()} resumed from checkpoint step {start} ({RunDir(run_dir).ckpt}): "
-              f"{_size_rate(nbytes, time.perf_counter() - t_load, 'read')}", flush=True)
-        if rollout:
-            sync_weights()
+              f"{_size_rate(nbytes, time.perf_counter() - t_load, 'read')}"
+              + (f"; batches of steps {[b.step for b in ahead]} were generated ahead" if ahead else ""), flush=True)
+        resync()
     status.event("start", step=start, resumed=bool(resumed), total_steps=cfg.total_steps)
     history = []
     if held_out is not None and cfg.val_before_train and start == 0:
@@ -230,39 +289,45 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
         history.append({"step": 0, "time": round(time.time(), 3), **validated(0)})
         log.write(history[-1])
     bar = _progress(cfg, start)
+    issued, pending_sync = start + len(ahead), None
     for step in range(start + 1, cfg.total_steps + 1):
         timer, t_step = _Timer(status, step), time.perf_counter()
 
-        # 1. rollout, then everything that only reads the rollout, issued together as futures
-        prompts = dataset.next_batch()
-        if cfg.n_samples > 1:
-            prompts = prompts.repeat(cfg.n_samples)
-            prompts["group"] = np.repeat(np.arange(cfg.batch_size), cfg.n_samples)
-        prompts.meta["step"] = step
+        # 1. this step's batch, and the next `lead` ones started first, so the rollout never waits;
+        # then everything that reads the batch, issued together as futures
+        while issued < min(step + lead, cfg.total_steps):
+            issued += 1
+            ahead.append(generate(issued))
+        current = ahead.popleft()
+        source = current.generated          # the future, so the batch goes rank to rank
         with timer("generate"):
-            gen = (rollout or actor).generate_sequences.future(prompts)
-            batch = gen.result()
+            batch = current.collect()
+            if pending_sync is not None:    # the weights sent after the last update are in
+                pending_sync.result()
+                pending_sync = None
         with timer("score"):
-            futures = [actor.compute_log_prob.future(gen), reward.compute_scores.future(gen)]
-            futures += [ref.compute_ref_log_prob.future(gen)] if ref else []
-            futures += [critic.compute_values.future(gen)] if critic else []
-            for f in futures:
+            for f in [m.future(source) for m in late]:
                 batch = batch.union(f.result())
 
         # 2. advantages, on the driver
         with timer("advantage"):
             kl_metrics = compute_advantages(batch, cfg, kl_ctl)
 
-        # 3. updates: critic first, then actor, then the new weights to the rollout engine
-        critic_stats, actor_stats = {}, {}
+        # 3. updates: critic first, then actor, then the new weights to the rollout engine (one after
+        # the other: at once they would contend for the cores of a shared host)
+        trained_with, critic_stats, actor_stats = version, {}, {}
         if critic:
             with timer("update_critic"):
                 critic_stats = critic.update_critic(pad_for_ranks(batch, critic.world_size))[0]
         if step > cfg.critic_warmup:
             with timer("update_actor"):
                 actor_stats = actor.update_actor(pad_for_ranks(batch, actor.world_size))[0]
+            version = step
             with timer("sync_weights"):
-                sync_weights()
+                pending_sync = sync_weights()
+                if pending_sync is not None and not pipelined:
+                    pending_sync.result()
+                    pending_sync = None
 
         mask, lengths = batch["response_mask"], batch["response_mask"].sum(dim=1).float()
         train_s = time.perf_counter() - t_step
@@ -280,6 +345,10 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
                   "actor/approx_kl": actor_stats.get("approx_kl"), "actor/grad_norm": actor_stats.get("grad_norm"),
                   "critic/vf_loss": critic_stats.get("vf_loss"),
                   "critic/vf_explained_var": explained_variance(batch["values"], batch["returns"], mask) if critic else None,
+                  "policy/version": batch.meta.get("policy_version", 0),
+                  "policy/lag": trained_with - batch.meta.get("policy_version", 0),
+                  "rollout/log_prob_diff": float(algo.masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
+                                                                  mask)) if "rollout_log_probs" in batch else None,
                   "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
                   "response_length/clip_ratio": float((~batch["has_eos"]).float().mean()), **val_scores,
                   **timer.times, "timing/step": round(step_s, 4), "throughput/tokens_per_s": round(tokens / train_s, 1)}
@@ -287,12 +356,14 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
         history.append(record)
         bar(record)
 
-        # 4. checkpoint: periodically, at the end, and when asked to stop (then stop)
+        # 4. checkpoint: periodically, at the end, and when asked to stop (then stop); with the
+        # batches generated ahead, which a resumed run could not make again
         reason = stop.check()
         if reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0):
             status.phase(step, "checkpoint")
             checkpoints.save(step, {"step": step, "dataset": dataset.state_dict(), "kl_coef": kl_ctl.value,
-                                    "metrics_bytes": log.size()}, background=not reason and step < cfg.total_steps)
+                                    "metrics_bytes": log.size(), "policy_version": version},
+                             background=not reason and step < cfg.total_steps, inflight=[b.collect() for b in ahead])
         if reason:
             checkpoints.finish()
             print(f"{_now()} stopped after step {step} ({reason}); checkpoint committed "
@@ -300,6 +371,29 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
             return history, reason
     checkpoints.finish()
     return history, None
+
+
+def _tell_rebuilds(groups: dict, ahead: deque, status: RunStatus) -> None:
+    """Say in events.jsonl when a role is rebuilt and back, and in the log when batches are
+    generated ahead meanwhile: the rollout goes on with them, the step waits only for that role."""
+    def listener(role: str):
+        was = ["alive"]
+
+        def changed() -> None:
+            state = groups[role].describe()["state"]
+            if state == "restarting" and was[0] != "restarting":
+                steps = [b.step for b in ahead]
+                status.event("rebuild", role=role, step=status.doc["step"], generating=steps)
+                if steps:
+                    print(f"{_now()} role {role} is being rebuilt; meanwhile the rollout goes on generating "
+                          f"the batches of steps {steps}", flush=True)
+            elif state == "alive" and was[0] == "restarting":
+                status.event("rebuilt", role=role, step=status.doc["step"])
+            was[0] = state
+        return changed
+    for role, wg in groups.items():
+        if role != "rollout":
+            wg.on_change(listener(role))
 
 
 def _now() -> str:

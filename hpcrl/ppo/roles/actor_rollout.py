@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss
+from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
 from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
@@ -35,11 +35,13 @@ class ActorRollout(Generates, Checkpointed, Worker):
         return ppo_updates(self.engine, batch, self.cfg, self.world_size, [self.cfg.seed, step, self.rank, 1], self._loss)
 
     @register(Dispatch.ONE_TO_ALL)
-    def sync_rollout_weights(self) -> None:
-        """Copy the trained weights into this process's rollout engine, in place (a sampler that is
-        the training module itself needs nothing)."""
+    def sync_rollout_weights(self, version: int | None = None) -> None:
+        """Copy the trained weights (of the update at step `version`) into this process's rollout
+        engine, in place (a sampler that is the training module itself needs nothing)."""
         if self.rollout is not None and not self.rollout.shares_module:
             self.rollout.load_weights(self.engine.full_weights())
+        if version is not None:
+            self.policy_version = version
 
     @register(Dispatch.ALL_RANK_ZERO)
     def export_weights(self) -> dict[str, torch.Tensor] | None:
@@ -49,8 +51,9 @@ class ActorRollout(Generates, Checkpointed, Worker):
 
     def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
         cfg, mask, logp, ent = self.cfg, mb["response_mask"], out["log_probs"], out["entropy"]
+        weights = truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], cfg.tis_cap) if cfg.tis_cap else None
         pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_low, cfg.clip_high,
-                                cfg.dual_clip or None, cfg.loss_agg_mode, total_tokens, total_seqs)
+                                cfg.dual_clip or None, cfg.loss_agg_mode, total_tokens, total_seqs, weights)
         loss = pg
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.loss_agg_mode, total_tokens, total_seqs)

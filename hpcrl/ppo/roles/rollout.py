@@ -58,12 +58,14 @@ class Generates:
     """generate_sequences over `self.rollout` (TorchRollout, StaticCacheRollout or VLLMRollout)."""
     cfg: PPOConfig
     shares_device = False    # a trainer in the same process: free the engine's GPU memory after generating
+    policy_version = 0       # the step whose update made the weights it samples with (0: the initial ones)
 
     @register(Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """prompt_ids/prompt_mask -> + responses, response_mask, has_eos, input_ids, attention_mask.
         Sampling is seeded by (seed, step, rank), so a resumed run draws what an uninterrupted one would.
-        meta["validation"]: the held-out prompts, at val_temperature (0: greedy)."""
+        meta["validation"]: the held-out prompts, at val_temperature (0: greedy). The output's
+        meta["policy_version"] says which weights sampled it."""
         validation = bool(prompts.meta.get("validation"))
         seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank, validation)
         temperature = self.cfg.val_temperature if validation else self.cfg.temperature
@@ -73,7 +75,7 @@ class Generates:
             self.rollout.sleep()     # vLLM on a GPU: free the engine's memory while the trainer works
         out["input_ids"] = torch.cat([prompts["prompt_ids"], out["responses"]], dim=1)
         out["attention_mask"] = torch.cat([prompts["prompt_mask"], out["response_mask"]], dim=1)
-        return prompts.union(Batch(out, meta=prompts.meta))
+        return prompts.union(Batch(out, meta={**prompts.meta, "policy_version": self.policy_version}))
 
 
 class Rollout(Generates, Worker):
@@ -84,5 +86,7 @@ class Rollout(Generates, Worker):
         self.rollout = make_rollout_engine(self.cfg, model_dir, self.rank, self.device)
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """The actor's weights after its update at step `version`."""
         self.rollout.load_weights(weights)
+        self.policy_version = version

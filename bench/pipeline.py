@@ -1,0 +1,97 @@
+"""Step time, sequential vs pipelined (train.pipeline: one_step_off), side by side in one run.
+
+On the local Slurm cluster (slurm/cluster up), two hetjobs of jobs/tiny-cpu-pipelined.yaml's
+layout, changed so that two roles do nearly all the work: GRPO without a reference (no critic, no
+ref), the rollout on a100 and the actor on h100, every role's torch on one thread
+(cpus_per_task: 1), so that on two cores the rollout and the actor can really run at once. The
+response length (--new-tokens) and the actor's epochs (--ppo-epochs) set the balance of the
+two lanes. Medians over the steps after the first three:
+
+    sequential  step, generate (the rollout lane), the rest (the actor lane: scores, updates, sync)
+    pipelined   step; its ideal is max(generate, rest) of the sequential run
+    busy        seconds per step each role spent in its calls (logs/<role>/rank0.calls.jsonl):
+                where two lanes share two cores with everything else, each runs slower at once
+
+    python bench/pipeline.py [--steps 25] [--new-tokens 80] [--ppo-epochs 1] [--json bench/pipeline.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from hpcrl.observe.logs import read_calls
+
+ROOT = Path(__file__).resolve().parents[1]
+WARMUP = 3
+
+
+def spec(args, pipeline: str) -> dict:
+    data = yaml.safe_load((ROOT / "jobs" / "tiny-cpu-pipelined.yaml").read_text())
+    for role in ("critic", "ref"):
+        data["roles"].pop(role)
+    data["roles"]["reward"] = {"partition": "cpu", "cpus_per_task": 1, "mem": "2G", "time": "00:30:00"}
+    for role in data["roles"].values():
+        role["cpus_per_task"] = 1
+    data["name"] = f"bench-pipeline-{pipeline}"
+    data["train"].update(advantage="grpo", n_samples=4, batch_size=16, mini_batch_size=64, kl_coef=0.0,
+                         max_new_tokens=args.new_tokens, ppo_epochs=args.ppo_epochs, total_steps=args.steps,
+                         save_last=False, progress=False, pipeline=pipeline)
+    return data
+
+
+def run(args, pipeline: str, work: Path) -> tuple[list[dict], dict]:
+    path, run_dir = work / f"{pipeline}.yaml", work / pipeline
+    path.write_text(yaml.safe_dump(spec(args, pipeline)))
+    subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(path), "--run-dir", str(run_dir), "--wait"],
+                   check=True, cwd=ROOT, capture_output=True, text=True)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][WARMUP:]
+    steps = {r["step"] for r in records}
+    busy = {role: sum(c["end"] - c["start"] for c in calls if c["step"] in steps) / len(steps)
+            for role, calls in read_calls(run_dir).items()}
+    return records, busy
+
+
+def median(records, key) -> float:
+    return statistics.median(r[key] for r in records)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--new-tokens", type=int, default=80)
+    ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "pipeline.json")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-pipeline-"))
+    seq, seq_busy = run(args, "off", work)
+    pipe, pipe_busy = run(args, "one_step_off", work)
+    generate = median(seq, "timing/generate")
+    rest = statistics.median(r["timing/step"] - r["timing/generate"] for r in seq)
+    result = {"cpus": os.cpu_count(), "steps_timed": len(seq), "new_tokens": args.new_tokens, "ppo_epochs": args.ppo_epochs,
+              "sequential_step_s": median(seq, "timing/step"), "generate_s": generate, "rest_s": rest,
+              "pipelined_step_s": median(pipe, "timing/step"), "busy_sequential_s": seq_busy, "busy_pipelined_s": pipe_busy}
+    result["pipelined_over_sequential"] = result["pipelined_step_s"] / result["sequential_step_s"]
+    result["pipelined_over_ideal"] = result["pipelined_step_s"] / max(generate, rest)
+    print(f"\nlocal cluster, {os.cpu_count()} CPUs, one torch thread per role; median of {len(seq)} steps (s)")
+    print(f"{'':12} {'step':>7} {'generate':>9} {'rest':>7}")
+    print(f"{'sequential':12} {result['sequential_step_s']:>7.3f} {generate:>9.3f} {rest:>7.3f}")
+    print(f"{'pipelined':12} {result['pipelined_step_s']:>7.3f}")
+    print(f"pipelined / sequential {result['pipelined_over_sequential']:.2f}   "
+          f"pipelined / max(generate, rest) {result['pipelined_over_ideal']:.2f}")
+    print("busy per step: " + "  ".join(f"{role} {seq_busy.get(role, 0):.3f} → {pipe_busy.get(role, 0):.3f}"
+                                         for role in sorted(seq_busy | pipe_busy)))
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"written {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

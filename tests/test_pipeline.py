@@ -1,0 +1,103 @@
+"""Pipelined steps (train.pipeline: one_step_off) on real local Ray: the rollout generates ahead,
+weight-free scoring runs while the step before trains, the recorded policy versions, and a role
+rebuilt while the rollout goes on. Times come from the roles' own calls files
+(logs/<role>/rank0.calls.jsonl, written by each worker process)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT, kill_dead, run_local, start_local_training, wait_until
+
+from hpcrl.observe.logs import read_calls
+from hpcrl.observe.metrics import read_metrics
+from hpcrl.observe.status import read_events
+from hpcrl.ppo.config import PPOConfig
+
+PIPELINED = dict(rollout_role=True, pipeline="one_step_off", progress=False)
+
+SLOW_SCORER = '''
+import time
+from hpcrl.ppo.tasks.copy_digits import score as copy_score
+
+def score(prompts, responses, **_):
+    time.sleep(0.5)           # a slow verifier: half a second per batch
+    return [copy_score(p, r) for p, r in zip(prompts, responses)]
+'''
+
+
+def overlap(a: dict, b: dict) -> bool:
+    return a["start"] < b["end"] and b["start"] < a["end"]
+
+
+def test_a_slow_scorer_scores_batches_ahead_while_the_step_before_trains(tmp_path, monkeypatch):
+    (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))        # the driver's, and so the Ray workers'
+    cfg = PPOConfig(total_steps=8, max_staleness=2, reward_fn="slow_scorer:score", reward_batched=True, tis_cap=2.0,
+                    **PIPELINED)
+    records = run_local(tmp_path / "run", cfg)
+    # two batches in flight: step k trains on weights k-1, on a batch sampled with weights k-3
+    assert [r["policy/lag"] for r in records] == [0, 1, 2, 2, 2, 2, 2, 2]
+    assert [r["policy/version"] for r in records] == [0, 0, 0, 1, 2, 3, 4, 5]
+    # the sampler's log-probs equal the actor's while their weights are the same, and differ after
+    assert records[0]["rollout/log_prob_diff"] < 1e-4 < records[-1]["rollout/log_prob_diff"]
+    calls = read_calls(tmp_path / "run")
+    scored = {c["step"]: c for c in calls["reward"] if c["method"] == "compute_scores"}
+    updated = {c["step"]: c for c in calls["actor_rollout"] if c["method"] == "update_actor"}
+    assert sorted(scored) == sorted(updated) == list(range(1, 9))
+    # while the actor trained step k, the reward role was scoring a batch of a later step
+    hidden = [k for k in range(2, 7) if any(overlap(scored[j], updated[k]) for j in (k + 1, k + 2))]
+    assert hidden == [2, 3, 4, 5, 6], {k: (scored[k], updated[k]) for k in scored}
+
+
+def test_while_the_critic_is_rebuilt_the_rollout_has_the_next_batch_in_hand(tmp_path):
+    run = tmp_path / "run"
+    proc = start_local_training(run, PPOConfig(total_steps=12, **PIPELINED))
+    wait_until(lambda: len(read_metrics(run / "metrics.jsonl")) >= 3, 300, "3 steps")
+    calls = run / "logs" / "critic" / "rank0.calls.jsonl"
+    seen = len(calls.read_text().splitlines())
+    # the critic has just computed a step's values: its update of that step comes next
+    wait_until(lambda: len(lines := calls.read_text().splitlines()) > seen and
+               json.loads(lines[-1])["method"] == "compute_values", 60, "the critic's next values")
+    kill_dead(json.loads((run / "status.json").read_text())["roles"]["critic"]["ranks"][0]["pid"])
+    assert proc.wait(timeout=600) == 0
+    assert len(read_metrics(run / "metrics.jsonl")) == 12
+    events = read_events(run)
+    down = next(e for e in events if e["event"] == "rebuild" and e["role"] == "critic")
+    back = next(e for e in events if e["event"] == "rebuilt" and e["role"] == "critic")
+    step = down["step"]
+    assert down["generating"] == [step + 1] and back["step"] == step
+    generated = {c["step"]: c for c in read_calls(run)["rollout"] if c["method"] == "generate_sequences"}
+    # sequentially, the batch of step+1 would be generated only after the critic was back and had trained
+    assert generated[step + 1]["start"] < back["time"], (generated[step + 1], down, back)
+    assert back["time"] - down["time"] > 1.0      # a real rebuild: a new process, torch imported, the role built
+
+
+@pytest.mark.slurm
+def test_the_pipelined_hetjob_learns_the_tiny_task(slurm_cluster, tmp_path):
+    """jobs/tiny-cpu-pipelined.yaml as a 4-component hetjob learns as jobs/tiny-cpu.yaml does
+    sequentially (last-10 mean 0.97-0.999 over seeds; the bar is tests/test_ppo.py's), every batch
+    one policy version behind the actor that trains on it."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "jobs/tiny-cpu-pipelined.yaml", "--run-dir", str(run),
+                          "--wait"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    records = read_metrics(run / "metrics.jsonl")
+    assert len(records) == 300
+    assert np.mean([r["reward/mean"] for r in records[:5]]) <= 0.15
+    assert np.mean([r["reward/mean"] for r in records[-10:]]) >= 0.9
+    assert [r["policy/lag"] for r in records] == [0] + [1] * 299
+    st = json.loads(subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run), "--json"], capture_output=True,
+                                   text=True, cwd=ROOT, check=True).stdout)
+    assert {r: c["partition"] for c in st["components"] for r in c["roles"]} == {
+        "rollout": "a100", "actor_rollout": "h100", "critic": "h100", "ref": "cpu", "reward": "cpu"}
+    calls = read_calls(run)
+    generated = {c["step"]: c for c in calls["rollout"] if c["method"] == "generate_sequences"}
+    updated = {c["step"]: c for c in calls["actor_rollout"] if c["method"] == "update_actor"}
+    # the rollout's generation of step k+1 started before the actor's update of step k ended (a loaded
+    # machine may delay a start now and then)
+    ahead = [k for k in range(1, 300) if generated[k + 1]["start"] < updated[k]["end"]]
+    assert len(ahead) >= 0.95 * 299, len(ahead)     # sequentially: none
+    subprocess.run([sys.executable, "-m", "hpcrl", "report", str(run)], cwd=ROOT, check=True, capture_output=True)
+    assert (run / "report" / "timeline.png").stat().st_size > 10_000
