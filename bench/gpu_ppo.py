@@ -4,6 +4,7 @@ writes bench/gpu_ppo.json.
 
     python bench/gpu_ppo.py                      # one GPU: hpcrl torch, hpcrl megatron, TRL
     python bench/gpu_ppo.py --layout two-gpus    # two GPUs: actor on GPU 0 and critic on GPU 1 vs all on GPU 0
+    python bench/gpu_ppo.py --layout rollout-apart --runs torch   # one GPU: a rollout role apart, sequential vs pipelined
 
 A step: 64 prompts × 256 prompt tokens, 256 sampled tokens each (no stop token: full length), then
 log-probs, reference log-probs, values, a rule reward, GAE, one critic and one actor update over the
@@ -18,6 +19,7 @@ bf16 rate (790 TFLOP/s).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -61,7 +63,7 @@ def hpcrl_config(engine: str, model_dir: Path, prompts: Path, steps: int, coloca
     return PPOConfig(model_dir=str(model_dir), dataset=str(prompts), total_steps=steps, batch_size=BATCH,
                      max_new_tokens=RESPONSE, mini_batch_size=BATCH, micro_batch_size=MICRO, ppo_epochs=1,
                      warmup_steps=0, actor_lr=1e-6, critic_lr=1e-6, train_engine=engine, colocate=colocate,
-                     save_last=False, progress=False)
+                     save_last=False, progress=False, reward_fn="hpcrl.ppo.tasks.copy_digits:score")   # a cheap rule
 
 
 def run_hpcrl(engine: str, work: Path, steps: int, layout: str) -> list[dict]:
@@ -87,15 +89,20 @@ def one_hpcrl(engine: str, work: Path, steps: int, layout: str) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         cfg = hpcrl_config(engine, model_dir, prompts, steps, [roles])
         start_local(roles, run_dir=run)
-    else:   # two Ray nodes as two hetjob components would give: the critic alone on GPU 1
+    else:   # two Ray nodes as two hetjob components would give
         port = 6391
-        nodes = [("0", ["actor_rollout", "ref", "reward"], ["--head", f"--port={port}"]),
-                 ("1", ["critic"], [f"--address=127.0.0.1:{port}"])]
+        head, worker = ["--head", f"--port={port}"], [f"--address=127.0.0.1:{port}"]
+        if layout == "two-gpus":      # the critic alone on GPU 1
+            nodes = [("0", ["actor_rollout", "ref", "reward"], head), ("1", ["critic"], worker)]
+        else:                         # the rollout role alone; both nodes are GPU 0, which the two processes share
+            nodes = [("0", ["rollout"], head), ("0", roles, worker)]
         for gpu, members, how in nodes:
             subprocess.run(["ray", "start", *how, "--node-ip-address=127.0.0.1", "--num-gpus=1", "--num-cpus=8",
                             f"--resources={node_resources(members)}"],
                            env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, check=True, capture_output=True)
-        cfg = hpcrl_config(engine, model_dir, prompts, steps, [nodes[0][1]])
+        cfg = hpcrl_config(engine, model_dir, prompts, steps, [nodes[0][1] if layout == "two-gpus" else roles])
+        if layout != "two-gpus":
+            cfg = dataclasses.replace(cfg, rollout_role=True, pipeline="one_step_off" if layout.endswith("pipelined") else "off")
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
     try:
         train(cfg, run)
@@ -190,7 +197,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3, help="PPO steps per run (the first is not timed)")
     ap.add_argument("--runs", default="torch,megatron,trl", help="comma list of torch, megatron, trl")
-    ap.add_argument("--layout", default="one-gpu", choices=["one-gpu", "two-gpus"])
+    ap.add_argument("--layout", default="one-gpu", choices=["one-gpu", "two-gpus", "rollout-apart", "rollout-apart-pipelined"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-gpu-bench"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "gpu_ppo.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -207,6 +214,10 @@ def main() -> int:
         elif args.layout == "two-gpus":
             rows.append(summarise(f"hpcrl {run}, all roles on GPU 0", run_hpcrl(run, args.work, args.steps, "one-gpu")))
             rows.append(summarise(f"hpcrl {run}, actor GPU 0 / critic GPU 1", run_hpcrl(run, args.work, args.steps, "two-gpus")))
+        elif args.layout == "rollout-apart":
+            rows.append(summarise(f"hpcrl {run}, rollout apart, sequential", run_hpcrl(run, args.work, args.steps, "rollout-apart")))
+            rows.append(summarise(f"hpcrl {run}, rollout apart, pipelined",
+                                  run_hpcrl(run, args.work, args.steps, "rollout-apart-pipelined")))
         else:
             rows.append(summarise(f"hpcrl {run}", run_hpcrl(run, args.work, args.steps, "one-gpu")))
         print(f"{run}: {time.perf_counter() - t:.0f} s", flush=True)

