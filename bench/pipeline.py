@@ -12,7 +12,11 @@ two lanes. Medians over the steps after the first three:
     busy        seconds per step each role spent in its calls (logs/<role>/rank0.calls.jsonl):
                 where two lanes share two cores with everything else, each runs slower at once
 
-    python bench/pipeline.py [--steps 25] [--new-tokens 80] [--ppo-epochs 1] [--json bench/pipeline.json]
+--slow-scorer S adds a role of its own on the cpu partition (jobs/slow_scorer.py: a verifier that
+answers after S seconds per batch), a term of the reward in both runs.
+
+    python bench/pipeline.py [--steps 25] [--new-tokens 80] [--ppo-epochs 1] [--slow-scorer 0]
+                             [--json bench/pipeline.json]
 """
 from __future__ import annotations
 
@@ -40,6 +44,11 @@ def spec(args, pipeline: str) -> dict:
     data["roles"]["reward"] = {"partition": "cpu", "cpus_per_task": 1, "mem": "2G", "time": "00:30:00"}
     for role in data["roles"].values():
         role["cpus_per_task"] = 1
+    if args.slow_scorer:
+        data["roles"]["verifier"] = {"partition": "cpu", "cpus_per_task": 1, "mem": "2G", "time": "00:30:00",
+                                     "worker": "hpcrl.jobs.slow_scorer:SlowRuleEngine",
+                                     "worker_args": {"seconds": args.slow_scorer}}
+        data["train"]["rewards"] = [{"role": "reward"}, {"role": "verifier", "method": "compute_rule_score", "weight": 0.5}]
     data["name"] = f"bench-pipeline-{pipeline}"
     data["train"].update(advantage="grpo", n_samples=4, batch_size=16, mini_batch_size=64, kl_coef=0.0,
                          max_new_tokens=args.new_tokens, ppo_epochs=args.ppo_epochs, total_steps=args.steps,
@@ -68,6 +77,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--new-tokens", type=int, default=80)
     ap.add_argument("--ppo-epochs", type=int, default=1)
+    ap.add_argument("--slow-scorer", type=float, default=0.0, help="seconds per batch of a verifier role (0: none)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "pipeline.json")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-pipeline-"))
@@ -76,11 +86,13 @@ def main() -> int:
     generate = median(seq, "timing/generate")
     rest = statistics.median(r["timing/step"] - r["timing/generate"] for r in seq)
     result = {"cpus": os.cpu_count(), "steps_timed": len(seq), "new_tokens": args.new_tokens, "ppo_epochs": args.ppo_epochs,
+              "slow_scorer_s": args.slow_scorer,
               "sequential_step_s": median(seq, "timing/step"), "generate_s": generate, "rest_s": rest,
               "pipelined_step_s": median(pipe, "timing/step"), "busy_sequential_s": seq_busy, "busy_pipelined_s": pipe_busy}
     result["pipelined_over_sequential"] = result["pipelined_step_s"] / result["sequential_step_s"]
     result["pipelined_over_ideal"] = result["pipelined_step_s"] / max(generate, rest)
-    print(f"\nlocal cluster, {os.cpu_count()} CPUs, one torch thread per role; median of {len(seq)} steps (s)")
+    print(f"\nlocal cluster, {os.cpu_count()} CPUs, one torch thread per role; median of {len(seq)} steps (s)"
+          + (f"; a verifier role of {args.slow_scorer} s per batch" if args.slow_scorer else ""))
     print(f"{'':12} {'step':>7} {'generate':>9} {'rest':>7}")
     print(f"{'sequential':12} {result['sequential_step_s']:>7.3f} {generate:>9.3f} {rest:>7.3f}")
     print(f"{'pipelined':12} {result['pipelined_step_s']:>7.3f}")

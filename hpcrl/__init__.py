@@ -10,7 +10,10 @@ of a batch script) loads nothing it does not need.
 from hpcrl._version import __version__
 
 _API = {"JobSpec": "hpcrl.job", "SpecError": "hpcrl.job", "load_spec": "hpcrl.job",
-        "submit": "hpcrl.launch.submit", "JobHandle": "hpcrl.slurm.submit", "connect": "hpcrl.raycluster"}
+        "submit": "hpcrl.launch.submit", "JobHandle": "hpcrl.slurm.submit", "connect": "hpcrl.raycluster",
+        # for your own roles and driver (README: "Add a role in three steps")
+        "Worker": "hpcrl.controller", "register": "hpcrl.controller", "Dispatch": "hpcrl.controller",
+        "Batch": "hpcrl.controller.batch", "RunContext": "hpcrl.ppo.context"}
 
 __all__ = [*_API, "__version__"]
 

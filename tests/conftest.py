@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,6 +92,32 @@ def job_finished(job_id: str) -> bool:
 
 def queue_ids() -> set[str]:
     return set(sh("squeue", "-h", "-o", "%i").split())
+
+
+def submit(spec: Path, run: Path) -> str:
+    """`hpcrl submit SPEC --run-dir RUN`, as a user types it; the job id."""
+    subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec), "--run-dir", str(run)],
+                   capture_output=True, text=True, cwd=ROOT, check=True)
+    return json.loads((run / "job.json").read_text())["job_id"]
+
+
+def slurm_log(run: Path) -> str:
+    return "".join(p.read_text() for p in sorted((run / "logs").glob("slurm-*.out")))
+
+
+def preempt_and_finish(run: Path, job: str, timeout: float = 600) -> int:
+    """An urgent job on the node of the run's component 0 preempts it (its signal, a checkpoint,
+    a requeue); waits until the run has come back and finished. The step it stopped after, which
+    the requeued job must have resumed from."""
+    node = json.loads((run / "allocation.json").read_text())["components"][0]["nodes"][0]["name"]
+    urgent = sh("sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-o", "/dev/null",
+                "--wrap", "sleep 1").strip()
+    wait_until(lambda: job_finished(urgent), 300, "urgent job")
+    wait_until(lambda: job_finished(job), timeout, "the preempted run to requeue and finish")
+    log = slurm_log(run)
+    stopped = re.search(r"stopped after step (\d+)", log)
+    assert stopped and f"resumed from checkpoint step {stopped.group(1)} " in log, log
+    return int(stopped.group(1))
 
 
 def start_local_training(run: Path, cfg: PPOConfig) -> subprocess.Popen:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, job_finished, sh, start_local_training, wait_until
+from conftest import ROOT, job_finished, preempt_and_finish, sh, slurm_log, start_local_training, submit, wait_until
 
 from hpcrl.controller import local_worker
 from hpcrl.controller.batch import Batch
@@ -182,16 +182,6 @@ def real_spec(tmp_path, name, model, data, **train):
     return path
 
 
-def submit(spec, run):
-    subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec), "--run-dir", str(run)], capture_output=True,
-                   text=True, cwd=ROOT, check=True)
-    return json.loads((run / "job.json").read_text())["job_id"]
-
-
-def slurm_log(run):
-    return "".join(p.read_text() for p in sorted((run / "logs").glob("slurm-*.out")))
-
-
 @pytest.mark.slurm
 def test_ppo_on_the_real_model_as_a_hetjob_validates_and_exports(slurm_cluster, smollm2, chain_sums, tmp_path):
     """PPO (actor, critic, reference, data_source scorer on three partitions) for 2 steps with
@@ -265,12 +255,6 @@ def test_grpo_on_the_real_model_is_preempted_and_resumes_bitwise(slurm_cluster, 
     job = submit(spec, twice)
     at = random.Random().randint(1, 2)
     wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= at, 600, f"{at} steps")
-    node = json.loads((twice / "allocation.json").read_text())["components"][0]["nodes"][0]["name"]
-    urgent = sh("sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-o", "/dev/null",
-                "--wrap", "sleep 1").strip()
-    wait_until(lambda: job_finished(urgent), 300, "urgent job")
-    wait_until(lambda: job_finished(job), 900, "the preempted GRPO hetjob to requeue and finish")
-    log = slurm_log(twice)
-    assert "stopped after step" in log and "resumed from checkpoint step" in log, log
+    preempt_and_finish(twice, job, timeout=900)
     assert_same_training(once, twice, 4, roles=("actor_rollout",))
     assert np.isfinite([r["reward/mean"] for r in read_metrics(twice / "metrics.jsonl")]).all()

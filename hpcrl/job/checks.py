@@ -28,7 +28,7 @@ _RESOURCE_FIELDS = ("partition", "nodes", "gpus_per_node", "gpu_type", "gres", "
 
 
 def spec_problems(spec: JobSpec) -> list[str]:
-    return role_problems(spec) or (time_problems(spec) + train_problems(spec))
+    return role_problems(spec) or (time_problems(spec) + train_problems(spec) + code_problems(spec))
 
 
 def role_problems(spec: JobSpec) -> list[str]:
@@ -142,7 +142,56 @@ def train_problems(spec: JobSpec) -> list[str]:
         cfg = PPOConfig.from_dict(spec.train)
     except ConfigError as e:
         return e.problems
-    return cfg.placement_problems(placements(spec))
+    return cfg.placement_problems(placements(spec), own_roles(spec))
+
+
+def own_roles(spec: JobSpec) -> tuple[str, ...]:
+    """The roles with a worker class of their own."""
+    return tuple(r for r, role in spec.roles.items() if role.worker)
+
+
+def code_problems(spec: JobSpec) -> list[str]:
+    """Your own code the spec names: each worker class imports here, subclasses hpcrl.Worker and
+    takes its worker_args, the scoring methods of train.rewards are registered on it, the driver is
+    a function. Imported in this process: the login node runs the job's interpreter on the shared
+    filesystem (or say `python:` and install the package there too)."""
+    if not own_roles(spec) and not spec.driver:
+        return []
+    from hpcrl.ppo.roles.custom import BUILTIN_ROLES, import_object, method_problem, worker_class
+
+    problems, classes = [], {}
+    for role in own_roles(spec):
+        where = f"roles.{role}.worker"
+        if role in BUILTIN_ROLES:
+            problems.append(f"{where}: {role} is a built-in role with its own worker; name your role differently "
+                            f"(e.g. my_{role}) and add its scores with train.rewards")
+            continue
+        try:
+            classes[role] = worker_class(spec.roles[role].worker, spec.roles[role].worker_args)
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+    problems += [f"roles.{role}.worker_args: given, but the role has no worker class of its own (worker:)"
+                 for role, r in spec.roles.items() if r.worker_args and not r.worker]
+    if spec.train:
+        try:
+            scorers = PPOConfig.from_dict(spec.train).scorers()
+        except ConfigError:
+            scorers = []         # train_problems names them
+        for i, s in enumerate(scorers):
+            problem = method_problem(classes[s.role], s.method) if s.role in classes else None
+            if problem:
+                problems.append(f"train.rewards[{i}].method: {problem}")
+    if spec.driver:
+        try:
+            fn = import_object(spec.driver)
+        except ValueError as e:
+            problems.append(f"driver: {e}")
+        else:
+            if not callable(fn):
+                problems.append(f"driver: {spec.driver!r} is not a function (def main(ctx: hpcrl.RunContext))")
+        if not spec.train:
+            problems.append("driver: given, but train: is empty; the driver reads its settings from train:")
+    return problems
 
 
 def environment_problems(spec: JobSpec) -> list[str]:

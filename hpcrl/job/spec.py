@@ -10,7 +10,8 @@
     train: {...}                    # the training settings: hpcrl/ppo/config.py checks them
 
 Every role either declares resources (and becomes one hetjob component) or names another role
-with `same_nodes_as` (and joins that role's component). Nothing here talks to Slurm. Reading a
+with `same_nodes_as` (and joins that role's component). A role of your own names its worker class
+(`worker: mypkg.rules:RuleEngineWorker`); `driver: mypkg.train:main` runs your own loop. Nothing here talks to Slurm. Reading a
 spec (YAML, every problem at once) is hpcrl/job/load.py; the checks that span fields, and those
 against the live cluster and the job's interpreter, are hpcrl/job/checks.py.
 """
@@ -43,6 +44,11 @@ class RoleSpec(BaseModel):
 
     same_nodes_as: str | None = None
     """Put this role in the named role's component instead of one of its own (no resource fields then)."""
+    worker: str | None = None
+    """A role of your own: its worker class, `package.module:Class` (a subclass of hpcrl.Worker whose
+    methods carry @hpcrl.register), importable where the job runs. The built-in roles have theirs."""
+    worker_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the worker class's __init__."""
     partition: str | None = None
     """Slurm partition of this role's component."""
     nodes: int = Field(1, ge=1)
@@ -137,7 +143,10 @@ class JobSpec(BaseModel):
     python: str | None = None
     """Python interpreter on the compute nodes; None: the one running hpcrl (shared filesystem)."""
     train: dict[str, Any] = Field(default_factory=dict)
-    """Training settings, read by the trainer."""
+    """Training settings, read by the driver (hpcrl/ppo/config.py)."""
+    driver: str | None = None
+    """Your own training loop, `package.module:function`, called with the run's RunContext
+    (hpcrl/ppo/context.py) instead of the built-in PPO driver; None: the built-in one."""
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     """metrics.tensorboard: true adds TensorBoard output; metrics.wandb: {project: ...} a W&B run."""
     _source: str = PrivateAttr("")

@@ -4,7 +4,8 @@ and the tests (`python -m hpcrl.launch RUN_DIR --local`).
 
 Every way reads RUN_DIR/spec.yaml (written at submission, or by `hpcrl run`), joins a Ray cluster
 whose nodes carry the spec's roles (the job's own, or one local node carrying them all), and runs
-the PPO driver (hpcrl/ppo/driver.py) until it finishes or stops at a committed checkpoint.
+the built-in PPO driver (hpcrl/ppo/driver.py), or the spec's own `driver:`, until it finishes or
+stops at a committed checkpoint.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
 
     from hpcrl.ppo.config import PPOConfig
     from hpcrl.ppo.driver import train
+    from hpcrl.ppo.roles.custom import import_object
     from hpcrl.raycluster import connect, start_local
 
     paths = RunDir(Path(run_dir).resolve())
@@ -35,12 +37,14 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
         raise SpecError(["train: empty; there is nothing to run (hpcrl/ppo/config.py lists the settings)"],
                         str(paths.spec))
     cfg = PPOConfig.from_dict(spec.train)
+    own = {r: (role.worker, role.worker_args) for r, role in spec.roles.items() if role.worker}
+    driver = import_object(spec.driver) if spec.driver else None
     if local:
         start_local(list(spec.roles), run_dir=paths.root, num_cpus=num_cpus)
     else:
         connect(paths.root)
     try:
-        return train(cfg, paths.root, stop=stop, metrics=spec.metrics.model_dump())
+        return train(cfg, paths.root, stop=stop, metrics=spec.metrics.model_dump(), own=own, driver=driver)
     finally:
         ray.shutdown()
 

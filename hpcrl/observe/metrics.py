@@ -86,7 +86,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 def reward_table(records: list[dict], first: int = 3, last: int = 3) -> str:
     """The first and last steps' reward, KL and response length (and held-out score, where there is
-    one), as a small text table."""
+    one), as a small text table; "-" where a driver of your own did not record a column."""
     val = any("val/score" in r for r in records)
     records = [r for r in records if "reward/mean" in r]     # step 0 holds only a validation
     if not records:
@@ -98,7 +98,9 @@ def reward_table(records: list[dict], first: int = 3, last: int = 3) -> str:
         if r is None:
             lines.append(f"{'...':>6}")
             continue
-        lines.append(f"{r['step']:>6} {r['reward/mean']:>12.3f} {r['reward/max']:>11.3f} {r.get('kl', 0.0):>9.4f} "
-                     f"{r['response_length/mean']:>9.2f} {r['throughput/tokens_per_s']:>9.0f}"
-                     + (f" {r['val/score']:>10.3f}" if "val/score" in r else ""))
+        cells = [(r.get(k), width, form) for k, width, form in (
+            ("reward/mean", 12, ".3f"), ("reward/max", 11, ".3f"), ("kl", 9, ".4f"), ("response_length/mean", 9, ".2f"),
+            ("throughput/tokens_per_s", 9, ".0f"), *((("val/score", 10, ".3f"),) if "val/score" in r else ()))]
+        lines.append(f"{r['step']:>6}" + "".join(f" {'-' if v is None else format(v, form):>{width}}"
+                                                  for v, width, form in cells))
     return "\n".join(lines)

@@ -20,7 +20,7 @@ from hpcrl.run_dir import RunDir
 
 # (file, title, [(metric key, label)], y label); a key ending in * stands for every key it starts
 CURVES = [
-    ("reward.png", "Reward", [("reward/mean", "mean"), ("reward/max", "max")], "score"),
+    ("reward.png", "Reward", [("reward/mean", "mean"), ("reward/max", "max"), ("score/*", "")], "score"),
     ("validation.png", "Held-out score", [("val/score", "all"), ("val/score/*", "")], "score"),
     ("kl.png", "KL to the reference", [("kl", "KL"), ("kl_coef", "KL coefficient β")], "KL"),
     ("losses.png", "Losses", [("actor/pg_loss", "policy loss"), ("critic/vf_loss", "value loss")], "loss"),

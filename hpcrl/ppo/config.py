@@ -17,6 +17,13 @@ class RolePlace(NamedTuple):
     field: str
 
 
+class Scorer(NamedTuple):
+    """One term of a sample's score (train.rewards): weight × role.method(batch)["scores"]."""
+    role: str
+    method: str = "compute_scores"
+    weight: float = 1.0
+
+
 class ConfigError(ValueError):
     """Every problem of the training settings at once, each `train.<field>: what is wrong`."""
 
@@ -100,6 +107,12 @@ class PPOConfig:
     """a sequence-scoring HF model directory; when set it scores instead of reward_fn"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a response that never emitted the stop token"""
+    rewards: list[dict] = field(default_factory=list)
+    """a sample's score as a weighted sum of roles' scores, e.g. [{role: reward}, {role: rule_engine,
+    method: compute_rule_score, weight: 0.5}]: `method` (default compute_scores) of the role (the
+    built-in reward, or one of your own: roles.<role>.worker) gets the generated batch and returns
+    Batch({"scores": one float per sample}); each is logged as score/<role>. Empty: the reward role
+    alone, weight 1"""
 
     # --- validation
     val_dataset: str = ""
@@ -318,6 +331,7 @@ class PPOConfig:
               for name in self.PATHS if any(ord(c) < 32 or ord(c) == 127 for c in getattr(self, name))]
         if not self.colocate_ok:
             p.append(f"colocate: {self.colocate!r} is not a list of lists of role names, e.g. [[actor_rollout, ref]]")
+        p += self.rewards_problems()
         if self.advantage not in ("gae", "grpo"):
             p.append(f"advantage: {self.advantage!r} is not gae or grpo")
         if self.rollout_engine not in ("torch", "vllm"):
@@ -364,6 +378,36 @@ class PPOConfig:
                      "one shape); set it to 0")
         return p
 
+    def rewards_problems(self) -> list[str]:
+        if not isinstance(self.rewards, list):
+            return [f"rewards: {self.rewards!r} is not a list, e.g. [{{role: reward}}, {{role: rule_engine, "
+                    "method: compute_rule_score, weight: 0.5}]"]
+        p, seen = [], set()
+        for i, entry in enumerate(self.rewards):
+            where = f"rewards[{i}]"
+            if not isinstance(entry, dict):
+                p.append(f"{where}: {entry!r} is not a mapping like {{role: rule_engine, method: compute_rule_score, "
+                         "weight: 0.5}")
+                continue
+            p += [f"{where}.{spec_key(k)}: unknown key (known: role, method, weight)" for k in entry
+                  if k not in Scorer._fields]
+            role, method, weight = (entry.get(k, Scorer._field_defaults.get(k)) for k in Scorer._fields)
+            if not isinstance(role, str) or not role:
+                p.append(f"{where}.role: missing; name the role whose method scores (reward, or a role of your own)")
+            elif role in seen:
+                p.append(f"{where}.role: {role} is listed twice; one scoring method per role")
+            else:
+                seen.add(role)
+            if not isinstance(method, str) or not method.isidentifier():
+                p.append(f"{where}.method: {method!r} is not a method name")
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight != weight:
+                p.append(f"{where}.weight: {weight!r} is not a number")
+        return p
+
+    def scorers(self) -> list[Scorer]:
+        """train.rewards as Scorers; the reward role alone when it is empty."""
+        return [Scorer(**e) for e in self.rewards] or [Scorer("reward")]
+
     def reward_function(self) -> str:
         """reward_fn, or its default: each sample's data_source scorer with a dataset, the copy task's rule without."""
         return self.reward_fn or ("hpcrl.ppo.rewards:by_data_source" if self.dataset else
@@ -381,12 +425,18 @@ class PPOConfig:
             return max(1, place.gpus // (self.tensor_parallel * self.pipeline_parallel))
         return place.gpus or place.nodes * self.processes_per_node.get(role, 1)
 
-    def placement_problems(self, places: dict[str, RolePlace]) -> list[str]:
-        """What these settings need of the spec's roles: every role they run placed, colocated roles
-        in one component, megatron's roles on GPUs that its TP × PP layout divides, a mini-batch for
-        every rank of a training role, vLLM's tensor parallelism on the GPUs of the generating role."""
+    def placement_problems(self, places: dict[str, RolePlace], own: tuple[str, ...] = ()) -> list[str]:
+        """What these settings need of the spec's roles (`own`: those with a worker class of their
+        own): every role they run placed, the scorers among the reward role and your own, colocated
+        roles in one component, megatron's roles on GPUs that its TP × PP layout divides, a
+        mini-batch for every rank of a training role, vLLM's tensor parallelism on the GPUs of the
+        generating role."""
         problems = [f"roles.{r}: missing; train needs it (advantage={self.advantage}, kl_coef={self.kl_coef}) — "
                     f"give it resources or same_nodes_as: <role>" for r in self.roles() if r not in places]
+        problems += [f"train.rewards[{i}].role: {s.role} is not " + (
+                     f"a role that scores (the reward role, or one of your own with roles.{s.role}.worker)"
+                     if s.role in places else f"a role of this spec (roles: {', '.join(places)})")
+                     for i, s in enumerate(self.scorers()) if s.role != "reward" and s.role not in own]
         for role in ("actor_rollout", "critic"):
             if role in self.roles() and role in places and isinstance(self.processes_per_node, dict):
                 world = self.world_size(role, places[role])
@@ -401,9 +451,10 @@ class PPOConfig:
                                 f"but role {generator} has {gpus} GPUs per node ({places[generator].field}); it must "
                                 "divide them")
         for k, group in enumerate(self.colocate if self.colocate_ok else []):
-            unknown = [r for r in group if r not in self.roles()]
+            unknown = [r for r in group if r not in [*self.roles(), *own]]
             if unknown:
-                problems.append(f"train.colocate[{k}]: {unknown} not among the roles this training runs {self.roles()}")
+                problems.append(f"train.colocate[{k}]: {unknown} not among the roles this training runs "
+                                f"{[*self.roles(), *own]}")
             elif len({places[r].component if r in places else None for r in group}) > 1:
                 problems.append(f"train.colocate[{k}]: {group} are in different Slurm components; colocated roles "
                                 f"need the same nodes (same_nodes_as: {group[0]})")

@@ -6,6 +6,7 @@ Per step:
                   ├─► ref.compute_ref_log_prob          } issued at once, on their own
                   ├─► critic.compute_values             } processes and nodes; the batch goes
                   └─► reward.compute_scores             } rank to rank, not via the driver
+                      (and every term of train.rewards: your own roles' scoring methods, weighted)
     advantages on the driver (KL-shaped token rewards, GAE or GRPO)
     critic.update_critic ─► actor_rollout.update_actor (after critic_warmup) ─► weights to rollout
     every val_every steps: the held-out prompts answered and scored (hpcrl/ppo/validation.py)
@@ -23,8 +24,10 @@ Each batch records the policy version that sampled it; `max_staleness` batches a
 checkpoint keeps them (hpcrl/checkpoint/inflight.py), so a resumed run trains what an uninterrupted
 one would.
 
-Started by hpcrl/launch/driver.py, the one way in: inside a job (`python -m hpcrl.launch RUN_DIR`,
-what the batch script runs), through submitit, or locally (`hpcrl run SPEC --local`).
+The loop (`ppo`) is written on the public RunContext (hpcrl/ppo/context.py), as a driver of your
+own is (`driver:` in the spec); `train` builds the roles and the context and runs either. Started by
+hpcrl/launch/driver.py, the one way in: inside a job (`python -m hpcrl.launch RUN_DIR`, what the
+batch script runs), through submitit, or locally (`hpcrl run SPEC --local`).
 """
 from __future__ import annotations
 
@@ -40,20 +43,18 @@ import numpy as np
 import torch
 
 from hpcrl import algo
-from hpcrl.checkpoint.commit import RoleCheckpoints
 from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.controller import ResourcePool, WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.files import StorageError, storage_failure
 from hpcrl.models import CharTokenizer, create_model_dir
-from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.observe.metrics import MetricsLog
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import PPOConfig
-from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.context import Driver, RunContext, now, weighted_scores
 from hpcrl.ppo.roles import ActorRollout, Critic, Reference, RewardModel, Rollout, RuleReward
+from hpcrl.ppo.roles.custom import checkpointed, worker_class
 from hpcrl.ppo.tasks import copy_digits as copy_task
-from hpcrl.ppo.validation import validate
 from hpcrl.run_dir import RunDir
 from hpcrl.stop import StopRequest
 
@@ -69,8 +70,10 @@ def prepare_inputs(cfg: PPOConfig, run_dir: Path) -> tuple[Path, Path]:
     return model_dir, prompts
 
 
-def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path) -> dict[str, WorkerGroup]:
-    """One WorkerGroup per role, on the nodes labelled with that role; colocated roles share processes."""
+def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path,
+                        own: dict[str, tuple[str, dict]] | None = None) -> dict[str, WorkerGroup]:
+    """One WorkerGroup per role, on the nodes labelled with that role; colocated roles share
+    processes. `own`: your own roles, role -> (worker class path, its __init__ keyword arguments)."""
     paths = RunDir(run_dir)
     conf = dataclasses.asdict(cfg) | {"cache_dir": str(Path(cfg.cache_dir or paths.cache).absolute())}
     workers = {"actor_rollout": (ActorRollout, (str(model_dir), conf), {}),
@@ -80,6 +83,7 @@ def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path) -> dict[
                "reward": ((RewardModel, (cfg.reward_model_dir,), {}) if cfg.reward_model_dir
                           else (RuleReward, (str(model_dir), cfg.reward_function(), cfg.reward_batched), {}))}
     workers = {r: w for r, w in workers.items() if r in cfg.roles()}
+    workers.update({r: (checkpointed(worker_class(path, kwargs)), (), dict(kwargs)) for r, (path, kwargs) in (own or {}).items()})
     opts = {"log_dir": paths.logs, "restart_limit": cfg.restart_limit, "standby": cfg.standby}
 
     def colocated(together: list[str]) -> dict[str, WorkerGroup]:
@@ -172,20 +176,24 @@ class _Timer:
 
 
 def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
-          stop: StopRequest | None = None, metrics: dict | None = None) -> tuple[list[dict], str | None]:
-    """Train to cfg.total_steps, resuming from the run's newest good checkpoint. Returns (this
-    call's metrics records, why it stopped early or None). RUN_DIR/status.json and events.jsonl
-    say what it is doing (hpcrl status, hpcrl report); `metrics` adds trackers (MetricsLog's
-    tensorboard, wandb)."""
+          stop: StopRequest | None = None, metrics: dict | None = None, own: dict[str, tuple[str, dict]] | None = None,
+          driver: Driver | None = None) -> tuple[list[dict], str | None]:
+    """Train to cfg.total_steps with `driver` (the built-in PPO loop, `ppo`, when None), resuming
+    from the run's newest good checkpoint. Returns (this call's metrics records, why it stopped early
+    or None). RUN_DIR/status.json and events.jsonl say what it is doing (hpcrl status, hpcrl
+    report); `metrics` adds trackers (MetricsLog's tensorboard, wandb); `own`: your own roles
+    (build_worker_groups)."""
     run_dir = Path(run_dir)
     status = RunStatus(run_dir, cfg.total_steps)
     model_dir, prompts_path = prepare_inputs(cfg, run_dir)
     log = None
     try:
         log = MetricsLog(run_dir, **(metrics or {}))
-        groups = groups or build_worker_groups(cfg, model_dir, run_dir)
+        groups = groups or build_worker_groups(cfg, model_dir, run_dir, own)
         status.attach(groups)
-        history, reason = _train(cfg, run_dir, model_dir, prompts_path, groups, status, stop or StopRequest(), log)
+        ctx = RunContext(cfg, run_dir, groups, model_dir, status, stop or StopRequest(), log, prompts_path)
+        reason = (driver or ppo)(ctx)
+        ctx.checkpoints.finish()
     except BaseException as e:
         why = storage_failure(e)
         if why is None:
@@ -201,11 +209,14 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
         status.event("stop", step=status.doc["step"], reason=reason)
     else:
         status.event("finish", step=cfg.total_steps)
-    return history, reason
+    return ctx.history, reason
 
 
-def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, stop: StopRequest, log: MetricsLog):
-    actor, critic, ref, reward = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "reward"))
+def ppo(ctx: RunContext) -> str | None:
+    """The built-in loop (PPO with GAE, or GRPO), sequential or pipelined as cfg.pipeline says; a
+    driver of your own starts as a copy of it."""
+    cfg, groups, status, dataset = ctx.cfg, ctx.groups, ctx.status, ctx.dataset
+    actor, critic, ref = (groups.get(r) for r in ("actor_rollout", "critic", "ref"))
     rollout = groups.get("rollout")
     pipelined = cfg.pipeline == "one_step_off"
     lead = cfg.max_staleness if pipelined else 0      # batches generated ahead of the one in training
@@ -224,36 +235,14 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
         if pending is not None:
             pending.result()
 
-    def committed(step: int, nbytes: int, seconds: float) -> None:
-        status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))
-        print(f"{_now()} checkpoint step {step} committed: {_size_rate(nbytes, seconds, 'written')}", flush=True)
-
-    tokenizer = load_tokenizer(model_dir)
-    dataset = PromptDataset(prompts_path, tokenizer, cfg.batch_size, cfg.seed, cfg.max_prompt_length)
-    held_out = PromptDataset(Path(cfg.val_dataset), tokenizer, cfg.batch_size, cfg.seed, cfg.max_prompt_length) \
-        if cfg.val_dataset else None
-    for name, data in (("training", dataset), ("held-out", held_out)):
-        if data is not None and data.too_long:
-            print(f"{_now()} {data.too_long} of {data.too_long + len(data)} {name} prompts are longer than "
-                  f"max_prompt_length {cfg.max_prompt_length} tokens: left out", flush=True)
-
-    def validated(step: int) -> dict:
-        scores = validate(cfg, held_out, rollout or actor, reward, step)
-        status.validated(step, scores)
-        print(f"{_now()} validation after step {step}: " + "  ".join(f"{k.removeprefix('val/')} {v:.3f}"
-                                                                   for k, v in scores.items()), flush=True)
-        return scores
     kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
               else algo.FixedKLController(cfg.kl_coef))
-    # the rollout role holds a copy of the actor's weights: nothing of its own to save
-    checkpoints = RoleCheckpoints(CheckpointStore(run_dir, cfg.keep_last, cfg.keep_every),
-                                  {r: g for r, g in groups.items() if r != "rollout"}, cfg.async_save, committed)
     for wg in (rollout, actor) if rollout else (actor,):   # after a rebuild (and the actor's restore): the weights
         wg.on_restart(resync)
 
     # scoring that needs no trained weights: pipelined, it runs as soon as a batch is generated,
     # while the step before still trains, unless it shares a trainer's processes (it would hold them up)
-    weight_free = [reward.compute_scores] + ([ref.compute_ref_log_prob] if ref else [])
+    weight_free = [*ctx.scores] + ([ref.compute_ref_log_prob] if ref else [])
     early = [m for m in weight_free if pipelined and not any(m.wg.shares_processes_with(t) for t in (actor, critic) if t)]
     late = [m for m in weight_free if m not in early] + [actor.compute_log_prob] + ([critic.compute_values] if critic else [])
     ahead: deque[_Generation] = deque()
@@ -267,27 +256,18 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
         generated = (rollout or actor).generate_sequences.future(prompts)
         return _Generation(step, generated, [m.future(generated) for m in early])
 
-    _tell_rebuilds(groups, ahead, status)
+    ctx.generating = lambda: [b.step for b in ahead]     # said when a role is rebuilt meanwhile
     start = 0
-    t_load = time.perf_counter()
-    resumed = checkpoints.resume()
+    resumed = ctx.resume()
     if resumed:
-        start, state, nbytes, inflight = resumed
-        dataset.load_state_dict(state["dataset"])
-        kl_ctl.value = state["kl_coef"]
-        version = state.get("policy_version", start if start > cfg.critic_warmup else 0)
-        ahead.extend(_Generation(b.meta["step"], b, []) for b in inflight)
-        log.truncate(state["metrics_bytes"])   # steps after the checkpoint are done again
-        print(f"{_now()} resumed from checkpoint step {start} ({RunDir(run_dir).ckpt}): "
-              f"{_size_rate(nbytes, time.perf_counter() - t_load, 'read')}"
-              + (f"; batches of steps {[b.step for b in ahead]} were generated ahead" if ahead else ""), flush=True)
+        start = resumed.step
+        kl_ctl.value = resumed.state["kl_coef"]
+        version = resumed.state.get("policy_version", start if start > cfg.critic_warmup else 0)
+        ahead.extend(_Generation(b.meta["step"], b, []) for b in resumed.inflight)
         resync()
-    status.event("start", step=start, resumed=bool(resumed), total_steps=cfg.total_steps)
-    history = []
-    if held_out is not None and cfg.val_before_train and start == 0:
+    if ctx.held_out is not None and cfg.val_before_train and start == 0:
         status.phase(0, "validate")
-        history.append({"step": 0, "time": round(time.time(), 3), **validated(0)})
-        log.write(history[-1])
+        ctx.log({"step": 0, "time": round(time.time(), 3), **ctx.validate(0)})
     bar = _progress(cfg, start)
     issued, pending_sync = start + len(ahead), None
     for step in range(start + 1, cfg.total_steps + 1):
@@ -308,6 +288,7 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
         with timer("score"):
             for f in [m.future(source) for m in late]:
                 batch = batch.union(f.result())
+            batch["scores"] = weighted_scores(batch, cfg.scorers())
 
         # 2. advantages, on the driver
         with timer("advantage"):
@@ -333,12 +314,14 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
         train_s = time.perf_counter() - t_step
         tokens = int(mask.sum() + batch["prompt_mask"].sum())
         val_scores = {}
-        if held_out is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
+        if ctx.held_out is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
             with timer("validate"):
-                val_scores = validated(step)
+                val_scores = ctx.validate(step)
         step_s = time.perf_counter() - t_step
         record = {"step": step, "time": round(time.time(), 3),
                   "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
+                  **({f"score/{s.role}": float(batch[f"score/{s.role}"].mean()) for s in cfg.scorers()}
+                     if len(cfg.scorers()) > 1 else {}),     # the terms of train.rewards
                   **kl_metrics,
                   "actor/pg_loss": actor_stats.get("pg_loss"), "actor/clipfrac": actor_stats.get("clipfrac"),
                   "actor/entropy": float(algo.masked_mean(batch["entropy"], mask)),
@@ -352,56 +335,18 @@ def _train(cfg, run_dir, model_dir, prompts_path, groups, status: RunStatus, sto
                   "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
                   "response_length/clip_ratio": float((~batch["has_eos"]).float().mean()), **val_scores,
                   **timer.times, "timing/step": round(step_s, 4), "throughput/tokens_per_s": round(tokens / train_s, 1)}
-        log.write(record)
-        history.append(record)
+        ctx.log(record)
         bar(record)
 
         # 4. checkpoint: periodically, at the end, and when asked to stop (then stop); with the
         # batches generated ahead, which a resumed run could not make again
-        reason = stop.check()
+        reason = ctx.stop.check()
         if reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0):
-            status.phase(step, "checkpoint")
-            checkpoints.save(step, {"step": step, "dataset": dataset.state_dict(), "kl_coef": kl_ctl.value,
-                                    "metrics_bytes": log.size(), "policy_version": version},
-                             background=not reason and step < cfg.total_steps, inflight=[b.collect() for b in ahead])
+            ctx.checkpoint(step, {"kl_coef": kl_ctl.value, "policy_version": version},
+                           background=not reason and step < cfg.total_steps, inflight=[b.collect() for b in ahead])
         if reason:
-            checkpoints.finish()
-            print(f"{_now()} stopped after step {step} ({reason}); checkpoint committed "
-                  f"{time.time() - stop.since:.2f} s after the request", flush=True)
-            return history, reason
-    checkpoints.finish()
-    return history, None
-
-
-def _tell_rebuilds(groups: dict, ahead: deque, status: RunStatus) -> None:
-    """Say in events.jsonl when a role is rebuilt and back, and in the log when batches are
-    generated ahead meanwhile: the rollout goes on with them, the step waits only for that role."""
-    def listener(role: str):
-        was = ["alive"]
-
-        def changed() -> None:
-            state = groups[role].describe()["state"]
-            if state == "restarting" and was[0] != "restarting":
-                steps = [b.step for b in ahead]
-                status.event("rebuild", role=role, step=status.doc["step"], generating=steps)
-                if steps:
-                    print(f"{_now()} role {role} is being rebuilt; meanwhile the rollout goes on generating "
-                          f"the batches of steps {steps}", flush=True)
-            elif state == "alive" and was[0] == "restarting":
-                status.event("rebuilt", role=role, step=status.doc["step"])
-            was[0] = state
-        return changed
-    for role, wg in groups.items():
-        if role != "rollout":
-            wg.on_change(listener(role))
-
-
-def _now() -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _size_rate(nbytes: int, seconds: float, verb: str) -> str:
-    return f"{nbytes / 1e6:.1f} MB {verb} in {seconds:.2f} s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)"
+            return ctx.stopped(step, reason)
+    return None
 
 
 def _progress(cfg: PPOConfig, start: int = 0):
@@ -423,7 +368,7 @@ def _progress(cfg: PPOConfig, start: int = 0):
     def line(r):
         losses = "".join(f" {name} {r[key]:.4f}" for name, key in (("pg_loss", "actor/pg_loss"), ("vf_loss", "critic/vf_loss"))
                          if r.get(key) is not None)
-        print(f"{_now()} step {r['step']}/{cfg.total_steps} reward {r['reward/mean']:.3f} kl {r['kl']:.4f}{losses} "
+        print(f"{now()} step {r['step']}/{cfg.total_steps} reward {r['reward/mean']:.3f} kl {r['kl']:.4f}{losses} "
               f"resp_len {r['response_length/mean']:.2f} tokens/s {r['throughput/tokens_per_s']:.0f} "
               f"({r['timing/step']:.2f} s)", flush=True)
     return line

@@ -1,8 +1,6 @@
 """Reward roles: a Python rule named by import path, or a sequence-scoring model."""
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from hpcrl.algo import last_token_index
@@ -10,17 +8,7 @@ from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.models.tokenizer import load_tokenizer
-
-
-def import_function(path: str):
-    """"package.module:function" -> the function, or a ValueError that says what is wrong."""
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"reward function {path!r}: write it as 'package.module:function'")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward function {path!r} cannot be imported: {e}") from None
+from hpcrl.ppo.roles.custom import import_object
 
 
 class RewardError(RuntimeError):
@@ -34,7 +22,11 @@ class RuleReward(Checkpointed, Worker):
     frozen = True   # no state: its file only records that the role took part
 
     def __init__(self, model_dir: str, reward_fn: str, batched: bool = False):
-        self.path, self.fn, self.batched = reward_fn, import_function(reward_fn), batched
+        try:
+            self.fn = import_object(reward_fn)
+        except ValueError as e:
+            raise ValueError(f"train.reward_fn: {e}") from None
+        self.path, self.batched = reward_fn, batched
         self.tok = load_tokenizer(model_dir)
 
     @register(Dispatch.DP_COMPUTE)

@@ -1,0 +1,232 @@
+"""RunContext: what a driver works with. The built-in PPO driver (hpcrl/ppo/driver.py) is written
+on it, and so is your own (`driver: mypkg.train:main` in the spec, called as main(ctx)):
+
+    def main(ctx: hpcrl.RunContext) -> str | None:
+        resumed = ctx.resume()                       # roles, data cursor and metrics of the newest good step
+        start = resumed.step if resumed else 0
+        for step in range(start + 1, ctx.cfg.total_steps + 1):
+            gen = ctx.groups["actor_rollout"].generate_sequences.future(ctx.dataset.next_batch())
+            batch = ctx.scored(gen)                  # train.rewards, weighted: batch["scores"]
+            ...                                      # any calls of any role: ctx.groups[role].<method>
+            ctx.log({"step": step, "reward/mean": float(batch["scores"].mean())})
+            reason = ctx.stop.check()                # a signal (preemption, time limit) or the deadline
+            if reason or step == ctx.cfg.total_steps:
+                ctx.checkpoint(step, {"my_counter": ...})
+            if reason:
+                return ctx.stopped(step, reason)     # the job requeues and the next start resumes
+        return None
+
+Requeue, exact resume, role restart (a rebuilt role loads its file of the newest committed step),
+`hpcrl status`, `logs` and `report` work the same for any driver written on it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import torch
+
+from hpcrl.checkpoint.commit import RoleCheckpoints
+from hpcrl.checkpoint.store import CheckpointStore
+from hpcrl.controller import WorkerGroup
+from hpcrl.controller.batch import Batch
+from hpcrl.models.tokenizer import load_tokenizer
+from hpcrl.observe.metrics import MetricsLog
+from hpcrl.observe.status import RunStatus
+from hpcrl.ppo.config import PPOConfig, Scorer
+from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.validation import validate
+from hpcrl.run_dir import RunDir
+from hpcrl.stop import StopRequest
+
+Driver = Callable[["RunContext"], "str | None"]
+"""A training loop: returns None when done, or the reason it stopped early at a committed checkpoint."""
+
+
+class Resumed(NamedTuple):
+    step: int          # the committed step training goes on after
+    state: dict        # the driver state given to checkpoint() (without the data cursor and metrics size)
+    inflight: list     # the batches given to checkpoint(inflight=...)
+
+
+@dataclass
+class Score:
+    """One term of train.rewards on its role's WorkerGroup: `future(generated)` issues the scoring
+    call; its result() is Batch({"score/<role>": the method's scores})."""
+    scorer: Scorer
+    group: WorkerGroup
+
+    @property
+    def wg(self) -> WorkerGroup:
+        return self.group
+
+    def future(self, generated) -> _Renamed:
+        return _Renamed(self, getattr(self.group, self.scorer.method).future(generated))
+
+    def keep(self, result) -> Batch:
+        role, method = self.scorer.role, self.scorer.method
+        if not isinstance(result, Batch) or "scores" not in result:
+            got = result.keys() if isinstance(result, Batch) else type(result).__name__
+            raise RuntimeError(f"train.rewards: {role}.{method} returned {got}; a scoring method returns "
+                               "Batch({'scores': one float per sample})")
+        return Batch({f"score/{role}": torch.as_tensor(result["scores"]).float()})
+
+
+@dataclass
+class _Renamed:
+    score: Score
+    pending: object
+
+    def result(self) -> Batch:
+        return self.score.keep(self.pending.result())
+
+
+def weighted_scores(batch: Batch, scorers: list[Scorer]) -> torch.Tensor:
+    """Σ weight × score/<role>: a sample's score (one term of weight 1 gives its scores exactly)."""
+    total = None
+    for s in scorers:
+        term = s.weight * batch[f"score/{s.role}"]
+        total = term if total is None else total + term
+    return total
+
+
+@dataclass
+class RunContext:
+    """A run as a driver sees it, built by `hpcrl.ppo.driver.train` once the roles are up. Besides
+    the fields: `tokenizer` (the policy's), `dataset` (the training prompts: `next_batch()`; its
+    cursor is in every checkpoint), `held_out` (val_dataset's, or None), `scores` (train.rewards on
+    their roles), `checkpoints` (RoleCheckpoints: the roles' files and manifests), `generating` (a
+    pipelined driver sets it: the steps whose batches are being generated ahead, which the
+    `rebuild` event of a role names)."""
+    cfg: PPOConfig
+    """the train: settings (hpcrl/ppo/config.py), your own roles' among the spec's roles"""
+    run_dir: Path
+    """the run directory (RunDir names every path in it)"""
+    groups: dict[str, WorkerGroup]
+    """role -> its WorkerGroup, built-in roles and your own; call `groups[role].<method>(...)`, or
+    `.future(...)` to pass the result rank to rank without fetching it"""
+    model_dir: Path
+    """the policy's HF model directory"""
+    status: RunStatus
+    """status.json and events.jsonl: `status.phase(step, "my phase")` says what runs"""
+    stop: StopRequest
+    """`stop.check()`: why to stop now (a signal, the deadline, `hpcrl cancel`) or None"""
+    metrics: MetricsLog
+    """metrics.jsonl (and TensorBoard, W&B): write through `log`"""
+    prompts: Path
+    """the training prompts' file"""
+    history: list[dict] = field(default_factory=list)
+    """the metrics records logged in this start"""
+
+    def __post_init__(self):
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.dataset = PromptDataset(self.prompts, self.tokenizer, cfg.batch_size, cfg.seed, cfg.max_prompt_length)
+        self.held_out = PromptDataset(Path(cfg.val_dataset), self.tokenizer, cfg.batch_size, cfg.seed,
+                                      cfg.max_prompt_length) if cfg.val_dataset else None
+        for name, data in (("training", self.dataset), ("held-out", self.held_out)):
+            if data is not None and data.too_long:
+                print(f"{now()} {data.too_long} of {data.too_long + len(data)} {name} prompts are longer than "
+                      f"max_prompt_length {cfg.max_prompt_length} tokens: left out", flush=True)
+        self.scores = [Score(s, self.groups[s.role]) for s in cfg.scorers()]
+        # the rollout role holds a copy of the actor's weights: nothing of its own to save
+        self.checkpoints = RoleCheckpoints(CheckpointStore(self.run_dir, cfg.keep_last, cfg.keep_every),
+                                           {r: g for r, g in self.groups.items() if r != "rollout"},
+                                           cfg.async_save, self._committed)
+        self.generating: Callable[[], list[int]] = lambda: []
+        for role, wg in self.groups.items():
+            if role != "rollout":
+                wg.on_change(self._rebuild_listener(role))
+
+    def scored(self, generated) -> Batch:
+        """The generated batch (a future of generate_sequences, or a Batch) with every term of
+        train.rewards (score/<role>) and their weighted sum (scores)."""
+        futures = [s.future(generated) for s in self.scores]
+        batch = generated.result() if hasattr(generated, "result") else generated
+        for f in futures:
+            batch = batch.union(f.result())
+        batch["scores"] = weighted_scores(batch, self.cfg.scorers())
+        return batch
+
+    def resume(self) -> Resumed | None:
+        """Load every role from the newest step whose files verify, put the data cursor back and
+        drop the metrics logged after it; None on a fresh start. Call it once, before the first step."""
+        t0 = time.perf_counter()
+        found = self.checkpoints.resume()
+        if found is None:
+            self.status.event("start", step=0, resumed=False, total_steps=self.cfg.total_steps)
+            return None
+        step, state, nbytes, inflight = found
+        state = dict(state)
+        self.dataset.load_state_dict(state.pop("dataset"))
+        self.metrics.truncate(state.pop("metrics_bytes"))   # steps after the checkpoint are done again
+        ahead = [b.meta.get("step") for b in inflight]
+        print(f"{now()} resumed from checkpoint step {step} ({RunDir(self.run_dir).ckpt}): "
+              f"{size_rate(nbytes, time.perf_counter() - t0, 'read')}"
+              + (f"; batches of steps {ahead} were generated ahead" if ahead else ""), flush=True)
+        self.status.event("start", step=step, resumed=True, total_steps=self.cfg.total_steps)
+        return Resumed(step, state, list(inflight))
+
+    def checkpoint(self, step: int, state: dict | None = None, *, background: bool = False,
+                   inflight: list = ()) -> None:
+        """Every role's file, then the manifest with `state` (the driver's own, JSON), the data cursor
+        and the metrics size; `inflight`: batches made ahead of `step` (kept bitwise). background:
+        write while training goes on (train.async_save), committed by the next checkpoint or the end."""
+        self.status.phase(step, "checkpoint")
+        self.checkpoints.save(step, {"step": step, **(state or {}), "dataset": self.dataset.state_dict(),
+                                     "metrics_bytes": self.metrics.size()}, background=background, inflight=inflight)
+
+    def stopped(self, step: int, reason: str) -> str:
+        """After the checkpoint of `step`, taken because stop.check() gave `reason`: the run stops
+        there (the job requeues it). Returns reason, for the driver to return."""
+        self.checkpoints.finish()
+        print(f"{now()} stopped after step {step} ({reason}); checkpoint committed "
+              f"{time.time() - self.stop.since:.2f} s after the request", flush=True)
+        return reason
+
+    def log(self, record: dict) -> None:
+        """One metrics record (a step's, or a validation's): metrics.jsonl, trackers, history."""
+        self.metrics.write(record)
+        self.history.append(record)
+
+    def validate(self, step: int) -> dict:
+        """The policy answers the held-out prompts and the reward role scores them (val/...)."""
+        scores = validate(self.cfg, self.held_out, self.groups.get("rollout") or self.groups["actor_rollout"],
+                          self.groups["reward"], step)
+        self.status.validated(step, scores)
+        print(f"{now()} validation after step {step}: " + "  ".join(f"{k.removeprefix('val/')} {v:.3f}"
+                                                                   for k, v in scores.items()), flush=True)
+        return scores
+
+    def _rebuild_listener(self, role: str) -> Callable[[], None]:
+        """Says in events.jsonl when a role is rebuilt and back, and in the log when batches are
+        generated ahead meanwhile (`generating`): the rollout goes on with them, the step waits
+        only for that role."""
+        was = ["alive"]
+
+        def changed() -> None:
+            state = self.groups[role].describe()["state"]
+            if state == "restarting" and was[0] != "restarting":
+                steps = self.generating()
+                self.status.event("rebuild", role=role, step=self.status.doc["step"], generating=steps)
+                if steps:
+                    print(f"{now()} role {role} is being rebuilt; meanwhile the rollout goes on generating "
+                          f"the batches of steps {steps}", flush=True)
+            elif state == "alive" and was[0] == "restarting":
+                self.status.event("rebuilt", role=role, step=self.status.doc["step"])
+            was[0] = state
+        return changed
+
+    def _committed(self, step: int, nbytes: int, seconds: float) -> None:
+        self.status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))
+        print(f"{now()} checkpoint step {step} committed: {size_rate(nbytes, seconds, 'written')}", flush=True)
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def size_rate(nbytes: int, seconds: float, verb: str) -> str:
+    return f"{nbytes / 1e6:.1f} MB {verb} in {seconds:.2f} s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)"

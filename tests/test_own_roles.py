@@ -1,0 +1,132 @@
+"""Your own roles and your own loop (README: "Add a role in three steps"): jobs/rule_engine.py's
+role on a hetjob component of its own, its score a term of the reward; jobs/own_loop.py in place
+of the built-in driver, killed and preempted, against the built-in loop uninterrupted; and a spec
+that names code which is not there, refused before anything is written."""
+import json
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import ROOT, job_finished, kill_dead, preempt_and_finish, slurm_log, submit, wait_until
+from test_requeue import assert_same_training
+
+from hpcrl.checkpoint.format import read_role_file
+from hpcrl.job import SpecError, load_spec
+from hpcrl.observe.metrics import read_metrics
+from hpcrl.observe.status import read_events
+
+RULES = ROOT / "jobs" / "tiny-cpu-rules.yaml"
+STEPS = 60      # about 0.25 s each: the kill, the rebuild and the preemption fall inside the run
+
+
+def rules_spec(tmp_path, name, steps, **top):
+    spec = yaml.safe_load(RULES.read_text())
+    spec["train"].update(total_steps=steps, progress=False)
+    spec.update(top)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_a_spec_naming_code_that_is_not_there_is_refused_naming_the_field(tmp_path):
+    load_spec(RULES)
+    spec = yaml.safe_load(RULES.read_text())
+    cases = {
+        "roles.rule_engine.worker: 'nopkg.rules:RuleEngineWorker': module nopkg.rules does not import":
+            lambda s: s["roles"]["rule_engine"].update(worker="nopkg.rules:RuleEngineWorker"),
+        "roles.rule_engine.worker: 'hpcrl.jobs.rule_engine:Nope': module hpcrl.jobs.rule_engine has no Nope":
+            lambda s: s["roles"]["rule_engine"].update(worker="hpcrl.jobs.rule_engine:Nope"),
+        "roles.rule_engine.worker: 'hpcrl.jobs.own_loop:main' is a function, not a class":
+            lambda s: s["roles"]["rule_engine"].update(worker="hpcrl.jobs.own_loop:main"),
+        "roles.rule_engine.worker: 'hpcrl.jobs.rule_engine:RuleEngineWorker': RuleEngineWorker.__init__ does not "
+        "take these worker_args ['bonus']":
+            lambda s: s["roles"]["rule_engine"].update(worker_args={"bonus": 1}),
+        "train.rewards[1].method: RuleEngineWorker has no method compute_rule_scores (registered: compute_rule_score)":
+            lambda s: s["train"]["rewards"][1].update(method="compute_rule_scores"),
+        "train.rewards[1].role: rules is not a role of this spec (roles: actor_rollout, reward, rule_engine)":
+            lambda s: s["train"]["rewards"][1].update(role="rules"),
+        "roles.reward.worker: reward is a built-in role":
+            lambda s: s["roles"]["reward"].update(worker="hpcrl.jobs.rule_engine:RuleEngineWorker"),
+        "driver: 'hpcrl.jobs.own_loop:man': module hpcrl.jobs.own_loop has no man":
+            lambda s: s.update(driver="hpcrl.jobs.own_loop:man"),
+    }
+    for i, (message, change) in enumerate(cases.items()):
+        bad = json.loads(json.dumps(spec))
+        change(bad)
+        bad["run_dir"] = str(tmp_path / f"run{i}")
+        path = tmp_path / f"bad{i}.yaml"
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(SpecError) as refused:
+            load_spec(path)
+        assert any(p.startswith(message) for p in refused.value.problems), (message, refused.value.problems)
+    # hpcrl submit refuses it before anything is written (no Slurm needed to see that)
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(path)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and message in out.stderr and not (tmp_path / f"run{i}").exists(), out.stderr
+
+
+@pytest.mark.slurm
+def test_own_role_on_its_component_and_own_loop_killed_and_preempted_train_as_the_builtin_loop(slurm_cluster, tmp_path):
+    """jobs/tiny-cpu-rules.yaml as it ships (built-in GRPO driver), uninterrupted; then with
+    driver: hpcrl.jobs.own_loop:main, the rule engine's process killed (only that role is rebuilt)
+    and the job preempted (it requeues and resumes): the own loop trains bitwise what the built-in
+    loop trained, which is what jobs/own_loop.py claims to be a copy of."""
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    job = submit(rules_spec(tmp_path, "builtin", STEPS), once)
+    wait_until(lambda: job_finished(job), 600, "the built-in loop's run")
+    records = read_metrics(once / "metrics.jsonl")
+    assert len(records) == STEPS, slurm_log(once)
+    components = json.loads((once / "allocation.json").read_text())["components"]
+    assert [(c["members"], c["partition"]) for c in components] == [
+        (["actor_rollout"], "a100"), (["reward"], "cpu"), (["rule_engine"], "cpu")]
+    assert components[1]["nodes"] != components[2]["nodes"]
+    for r in records:    # each term logged, the sample's score their weighted sum
+        assert r["reward/mean"] == pytest.approx(r["score/reward"] + 0.5 * r["score/rule_engine"], abs=1e-6)
+    # the role's own state_dict is its checkpoint file: one batch scored per step
+    state, _ = read_role_file(once / "ckpt" / f"step_{STEPS:08d}" / "rule_engine.h5")
+    assert state["role"] == {"batches": STEPS}
+    for term in ("score/reward", "score/rule_engine"):    # both go up (the run is seeded: not by chance)
+        assert sum(r[term] for r in records[-10:]) / 10 > sum(r[term] for r in records[:5]) / 5
+
+    job = submit(rules_spec(tmp_path, "own", STEPS, driver="hpcrl.jobs.own_loop:main"), twice)
+    kill_at = random.Random().randint(3, 10)
+    wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= kill_at, 300, f"{kill_at} steps")
+    roles = lambda: json.loads((twice / "status.json").read_text())["roles"]  # noqa: E731
+    before = {r: s["ranks"][0]["pid"] for r, s in roles().items()}
+    kill_dead(before["rule_engine"])
+    wait_until(lambda: any(e["event"] == "rebuilt" for e in read_events(twice)), 120, "the rule engine rebuilt")
+    after = {r: s["ranks"][0]["pid"] for r, s in roles().items()}
+    assert after["rule_engine"] != before["rule_engine"]
+    assert {r: p for r, p in after.items() if r != "rule_engine"} == {r: p for r, p in before.items() if r != "rule_engine"}
+    assert [e["role"] for e in read_events(twice) if e["event"] in ("rebuild", "rebuilt")] == ["rule_engine"] * 2
+
+    preempt_at = len(read_metrics(twice / "metrics.jsonl")) + 1
+    wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= preempt_at, 300, f"{preempt_at} steps")
+    preempt_and_finish(twice, job)
+    own = read_metrics(twice / "metrics.jsonl")
+    assert [r["step"] for r in own] == list(range(1, STEPS + 1))
+    assert [(r["reward/mean"], r["score/rule_engine"], r["actor/pg_loss"]) for r in own] == \
+        [(r["reward/mean"], r["score/rule_engine"], r["actor/pg_loss"]) for r in records]
+    assert_same_training(once, twice, STEPS, roles=("actor_rollout",), metrics=False)
+
+
+def test_the_readme_shows_the_code_the_examples_run():
+    """README "Add a role in three steps": its worker class, placement and wiring are, line for
+    line, jobs/rule_engine.py and jobs/tiny-cpu-rules.yaml (which the test above runs)."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Add a role in three steps"):readme.index("**Your own loop.**")]
+    blocks = re.findall(r"```(python|yaml)\n(.*?)```", section, re.S)
+    code = (ROOT / "jobs" / "rule_engine.py").read_text()
+    python = [line.strip() for lang, b in blocks if lang == "python" for line in b.splitlines() if line.strip()]
+    assert len(python) > 10 and all(line in code for line in python), [line for line in python if line not in code]
+    spec = yaml.safe_load(RULES.read_text())
+    placed, wired = (yaml.safe_load(b) for lang, b in blocks if lang == "yaml")
+    assert {k: spec["roles"]["rule_engine"][k] for k in placed["rule_engine"]} == placed["rule_engine"]
+    assert wired["rewards"] == spec["train"]["rewards"]
+    own_loop = (ROOT / "jobs" / "own_loop.py").read_text()
+    loop = readme[readme.index("**Your own loop.**"):readme.index("`tests/test_own_roles.py` runs both")]
+    lines = [line.strip() for line in re.search(r"```python\n(.*?)```", loop, re.S).group(1).splitlines()]
+    shown = [line.split("  #")[0].rstrip() for line in lines if line and "..." not in line]
+    assert len(shown) > 10 and all(line in own_loop for line in shown), [line for line in shown if line not in own_loop]
