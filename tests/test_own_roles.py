@@ -16,6 +16,7 @@ from test_requeue import assert_same_training
 from hpcrl.checkpoint.format import read_role_file
 from hpcrl.job import SpecError, load_spec
 from hpcrl.observe.metrics import read_metrics
+from hpcrl.observe.report import CURVES, expand
 from hpcrl.observe.status import read_events
 
 RULES = ROOT / "jobs" / "tiny-cpu-rules.yaml"
@@ -130,3 +131,30 @@ def test_the_readme_shows_the_code_the_examples_run():
     lines = [line.strip() for line in re.search(r"```python\n(.*?)```", loop, re.S).group(1).splitlines()]
     shown = [line.split("  #")[0].rstrip() for line in lines if line and "..." not in line]
     assert len(shown) > 10 and all(line in own_loop for line in shown), [line for line in shown if line not in own_loop]
+
+
+def test_two_critics_side_by_side_leave_the_built_in_training_as_it_was(tmp_path):
+    """jobs/tiny-cpu-two-critics.yaml (locally, one Ray node): its driver trains a second, smaller
+    critic on the same data; the actor and the first critic train bitwise as the built-in loop
+    trains them without it, both value losses fall, and the report draws them on one plot."""
+    runs = {}
+    for name, own in (("two", True), ("builtin", False)):
+        spec = yaml.safe_load((ROOT / "jobs" / "tiny-cpu-two-critics.yaml").read_text())
+        spec["train"].update(total_steps=12, progress=False)
+        if not own:
+            spec.pop("driver")
+            spec["roles"].pop("critic_small")
+        runs[name] = tmp_path / name
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**spec, "run_dir": str(runs[name])}))
+        subprocess.run([sys.executable, "-m", "hpcrl", "run", str(path), "--local", "--num-cpus", "2"], cwd=ROOT,
+                       check=True, capture_output=True)
+    assert_same_training(runs["builtin"], runs["two"], 12, metrics=False)
+    two, builtin = read_metrics(runs["two"] / "metrics.jsonl"), read_metrics(runs["builtin"] / "metrics.jsonl")
+    assert [(r["reward/mean"], r["vf_loss/critic"]) for r in two] == [(r["reward/mean"], r["critic/vf_loss"]) for r in builtin]
+    for role in ("critic", "critic_small"):
+        assert two[-1][f"vf_loss/{role}"] < two[0][f"vf_loss/{role}"] / 4, [r[f"vf_loss/{role}"] for r in two]
+    subprocess.run([sys.executable, "-m", "hpcrl", "report", str(runs["two"])], cwd=ROOT, check=True, capture_output=True)
+    assert 'src="losses.png"' in (runs["two"] / "report" / "index.html").read_text()
+    losses = next(series for name, _, series, _ in CURVES if name == "losses.png")
+    assert {"vf_loss/critic", "vf_loss/critic_small"} <= {key for key, _ in expand(losses, two)}
