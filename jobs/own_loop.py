@@ -5,7 +5,7 @@
 It is the built-in loop (hpcrl/ppo/driver.py, `ppo`) cut down to what GRPO without a reference
 needs: generate, score (train.rewards, your own roles' scores included), group-normalised
 advantages, one actor update, the new weights to the sampler. Requeue, exact resume and role
-restart come from the context: resume() first, checkpoint() when asked to stop.
+restart come from the context: resume() first, end_step() after every step.
 """
 import time
 
@@ -41,9 +41,6 @@ def main(ctx: hpcrl.RunContext) -> str | None:
                  **{f"score/{s.role}": float(batch[f"score/{s.role}"].mean()) for s in cfg.scorers()},
                  "actor/pg_loss": stats["pg_loss"], "timing/step": round(time.perf_counter() - t0, 4)})
         print(f"step {step}/{cfg.total_steps} reward {float(batch['scores'].mean()):.3f}", flush=True)
-        reason = ctx.stop.check()
-        if reason or step == cfg.total_steps:
-            ctx.checkpoint(step)
-        if reason:
-            return ctx.stopped(step, reason)
+        if reason := ctx.end_step(step):     # checkpoints; on a signal, the stop (the job requeues)
+            return reason
     return None

@@ -72,9 +72,6 @@ def main(ctx: hpcrl.RunContext) -> str | None:
                  "vf_explained_var/critic": explained_variance(batch["values"], batch["returns"], mask),
                  "vf_explained_var/critic_small": explained_variance(side["values"], side["returns"], mask),
                  "timing/step": round(time.perf_counter() - t0, 4)})
-        reason = ctx.stop.check()
-        if reason or step == cfg.total_steps:
-            ctx.checkpoint(step)
-        if reason:
-            return ctx.stopped(step, reason)
+        if reason := ctx.end_step(step):     # checkpoints; on a signal, the stop (the job requeues)
+            return reason
     return None

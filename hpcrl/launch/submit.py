@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable
 
 from hpcrl.job.checks import problems_before_submit
+from hpcrl.job.load import load_spec, parse_spec
 from hpcrl.job.spec import JobSpec, SpecError
 from hpcrl.launch.submitit import training_function
 from hpcrl.slurm.cluster_info import ClusterInfo
@@ -28,13 +30,26 @@ def checked_hetjob(spec: JobSpec, offline: bool = False) -> HetJob:
     return job
 
 
-def submit(spec: JobSpec, via: str = "sbatch", *, resume: bool = False, dry_run: bool = False,
-           fn: Callable | None = None, args: tuple = ()) -> JobHandle | str:
-    """Submit a JobSpec (see `hpcrl.load_spec`) as one heterogeneous job; returns its JobHandle (with
-    dry_run, the batch script instead, nothing written). With `train:` the job trains (through
-    submitit, the driver is a Checkpointable); `fn` runs another function in component 0 (submitit)."""
+def submit(spec: JobSpec | str | Path, via: str = "sbatch", *, run_dir: str | Path | None = None,
+           resume: bool = False, wait: bool = False, dry_run: bool = False, fn: Callable | None = None,
+           args: tuple = ()) -> JobHandle | str:
+    """`hpcrl submit` from Python: submit a job spec as one heterogeneous job, checked first.
+
+    spec: a JobSpec (`hpcrl.load_spec`) or the path of its YAML file, as the command takes it.
+    via: "sbatch" (the rendered batch script) or "submitit" (the driver as a Checkpointable).
+    run_dir: the run directory instead of the spec's (--run-dir). resume: continue the run already
+    in it (--resume). wait: return once every component has ended (--wait). dry_run: return the
+    batch script, nothing written (--dry-run). fn, args: run another function in component 0
+    (submitit). Returns the JobHandle (job_id, state(), wait(), logs(role))."""
+    if not isinstance(spec, JobSpec):
+        spec = load_spec(spec, run_dir=run_dir)
+    elif run_dir is not None:
+        spec = parse_spec(spec.as_data(), spec._source or spec.name, run_dir)
     job = checked_hetjob(spec)
     if dry_run:
         return render_hetjob(job)
-    return submit_hetjob(job, via, resume=resume, spec_data=spec.as_data(),
-                         fn=fn or training_function(spec, via), args=args)
+    handle = submit_hetjob(job, via, resume=resume, spec_data=spec.as_data(),
+                           fn=fn or training_function(spec, via), args=args)
+    if wait:
+        handle.wait()
+    return handle

@@ -9,11 +9,10 @@ on it, and so is your own (`driver: mypkg.train:main` in the spec, called as mai
             batch = ctx.scored(gen)                  # train.rewards, weighted: batch["scores"]
             ...                                      # any calls of any role: ctx.groups[role].<method>
             ctx.log({"step": step, "reward/mean": float(batch["scores"].mean())})
-            reason = ctx.stop.check()                # a signal (preemption, time limit) or the deadline
-            if reason or step == ctx.cfg.total_steps:
-                ctx.checkpoint(step, {"my_counter": ...})
-            if reason:
-                return ctx.stopped(step, reason)     # the job requeues and the next start resumes
+            # checkpoints as train: asks, and on a signal (preemption, time limit) or the deadline
+            # one, then the stop: the job requeues and the next start resumes
+            if reason := ctx.end_step(step, {"my_counter": ...}):
+                return reason
         return None
 
 Requeue, exact resume, role restart (a rebuilt role loads its file of the newest committed step),
@@ -177,6 +176,16 @@ class RunContext:
         self.status.phase(step, "checkpoint")
         self.checkpoints.save(step, {"step": step, **(state or {}), "dataset": self.dataset.state_dict(),
                                      "metrics_bytes": self.metrics.size()}, background=background, inflight=inflight)
+
+    def end_step(self, step: int, state: dict | None = None, inflight: Callable[[], list] = list) -> str | None:
+        """After each step: the checkpoint train: asks for (every save_every steps, in the
+        background with async_save; after the last step with save_last) and the one a stop request
+        asks for, then the stop. Returns why to stop now (return it from the driver), or None.
+        `inflight()`: the batches made ahead of `step`, collected only when a checkpoint is taken."""
+        cfg, reason = self.cfg, self.stop.check()
+        if reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0):
+            self.checkpoint(step, state, background=not reason and step < cfg.total_steps, inflight=inflight())
+        return self.stopped(step, reason) if reason else None
 
     def stopped(self, step: int, reason: str) -> str:
         """After the checkpoint of `step`, taken because stop.check() gave `reason`: the run stops

@@ -340,12 +340,9 @@ def ppo(ctx: RunContext) -> str | None:
 
         # 4. checkpoint: periodically, at the end, and when asked to stop (then stop); with the
         # batches generated ahead, which a resumed run could not make again
-        reason = ctx.stop.check()
-        if reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0):
-            ctx.checkpoint(step, {"kl_coef": kl_ctl.value, "policy_version": version},
-                           background=not reason and step < cfg.total_steps, inflight=[b.collect() for b in ahead])
-        if reason:
-            return ctx.stopped(step, reason)
+        if reason := ctx.end_step(step, {"kl_coef": kl_ctl.value, "policy_version": version},
+                                  inflight=lambda: [b.collect() for b in ahead]):
+            return reason
     return None
 
 
