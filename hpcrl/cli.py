@@ -16,7 +16,7 @@ def _load(args, for_cluster: bool = True):
     """The spec; for a job on the cluster, what looks wrong but may not be is said on stderr."""
     from hpcrl.job.checks import run_dir_warnings
 
-    spec = load_spec(args.spec, run_dir=args.run_dir)
+    spec = load_spec(args.spec, run_dir=args.run_dir, overrides=args.overrides)
     for warning in run_dir_warnings(spec) if for_cluster else []:
         print(f"warning: {warning}", file=sys.stderr)
     return spec
@@ -274,14 +274,23 @@ def cmd_ckpt(args) -> int:
     return 1 if bad else 0
 
 
+OVERRIDES_HELP = """overrides: PATH=VALUE sets a field of the spec by its dotted path, the value read as YAML
+(numbers, true/false, [lists], null); checked as the file is, an unknown path names the nearest:
+  hpcrl submit job.yaml train.actor_lr=1e-6 roles.critic.nodes=2 signal_lead=300
+The run's spec.yaml holds the merged spec (its `overridden:` lists them); hpcrl status shows them."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hpcrl", description="Slurm-native multi-controller RLHF (PPO).")
     p.add_argument("--version", action="version", version=f"hpcrl {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def spec_cmd(name, help_):
-        c = sub.add_parser(name, help=help_, description=help_)
+        c = sub.add_parser(name, help=help_, description=help_, epilog=OVERRIDES_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         c.add_argument("spec", help="job spec (YAML)")
+        c.add_argument("overrides", nargs="*", metavar="PATH=VALUE",
+                       help="set a field of the spec by its dotted path, e.g. train.actor_lr=1e-6")
         c.add_argument("--run-dir", help="run directory (overrides the spec's run_dir)")
         return c
 

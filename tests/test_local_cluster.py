@@ -47,7 +47,8 @@ def test_urgent_job_preempts_and_victim_is_requeued(slurm_cluster, tmp_path):
     victim = sh("sbatch", "--parsable", "-p", "a100", "-w", "a100n2", "--requeue", "-o", str(tmp_path / "v.out"),
                 "--open-mode=append", "--signal=B:USR1@30", "--wrap",
                 f"trap 'echo usr1 >> {marks}' USR1; echo start=$SLURM_RESTART_COUNT >> {marks}; "
-                "if [ ${SLURM_RESTART_COUNT:-0} = 0 ]; then for i in $(seq 600); do sleep 0.1; done; fi").strip()
+                # unpreempted, it would outlast the scheduler's pick plus the partition's GraceTime (45 s)
+                "if [ ${SLURM_RESTART_COUNT:-0} = 0 ]; then for i in $(seq 1800); do sleep 0.1; done; fi").strip()
     wait_until(lambda: marks.exists() and "start=" in marks.read_text(), 30, "victim running")
     urgent = sh("sbatch", "--parsable", "-p", "urgent", "-w", "a100n2", "--exclusive", "-o", "/dev/null",
                 "--wrap", "sleep 1").strip()

@@ -8,6 +8,7 @@ import yaml
 from pydantic import ValidationError
 
 from hpcrl.job.checks import spec_problems
+from hpcrl.job.overrides import OverrideError, apply_overrides, parse_overrides
 from hpcrl.job.spec import JobSpec, RoleSpec, SpecError
 from hpcrl.ppo.config import PPOConfig, spec_key
 
@@ -42,17 +43,25 @@ def _pydantic_problem(err: dict) -> str:
     return f"{path}: {msg}"
 
 
-def parse_spec(data: Any, source: str = "spec", run_dir: str | Path | None = None) -> JobSpec:
-    """A validated JobSpec from parsed YAML, or a SpecError listing every problem."""
+def parse_spec(data: Any, source: str = "spec", run_dir: str | Path | None = None,
+               overrides: list[str] | dict[str, Any] | None = None) -> JobSpec:
+    """A validated JobSpec from parsed YAML, or a SpecError listing every problem. `overrides`:
+    PATH=VALUE strings (or a dict of them) merged in first (hpcrl/job/overrides.py)."""
     if not isinstance(data, dict):
         raise SpecError([f"top level: expected a mapping of fields, got {type(data).__name__}"], source)
+    problems = []
+    if overrides:
+        try:
+            data = apply_overrides(data, parse_overrides(overrides))
+        except OverrideError as e:     # the rest are merged: their values are checked too
+            problems, data = [f"override {p}" for p in e.problems], e.merged or data
     if run_dir is not None:
         data = {**data, "run_dir": str(run_dir)}
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError([_pydantic_problem(err) for err in e.errors()], source) from None
-    problems = spec_problems(spec)
+        raise SpecError(problems + [_pydantic_problem(err) for err in e.errors()], source) from None
+    problems += spec_problems(spec)
     if problems:
         raise SpecError(problems, source)
     spec.run_dir = spec.run_dir.expanduser().resolve()
@@ -61,8 +70,10 @@ def parse_spec(data: Any, source: str = "spec", run_dir: str | Path | None = Non
     return spec
 
 
-def load_spec(path: str | Path, run_dir: str | Path | None = None) -> JobSpec:
-    """Read and validate a YAML job spec; `run_dir` overrides the spec's run directory."""
+def load_spec(path: str | Path, run_dir: str | Path | None = None,
+              overrides: list[str] | dict[str, Any] | None = None) -> JobSpec:
+    """Read and validate a YAML job spec; `run_dir` replaces the spec's run directory, `overrides`
+    (["train.actor_lr=1e-6", ...]) set fields by dotted path."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -72,4 +83,4 @@ def load_spec(path: str | Path, run_dir: str | Path | None = None) -> JobSpec:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise SpecError([f"not valid YAML: {e}"], str(path)) from None
-    return parse_spec(data, str(path), run_dir)
+    return parse_spec(data, str(path), run_dir, overrides)

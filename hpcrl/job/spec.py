@@ -144,6 +144,9 @@ class JobSpec(BaseModel):
     """Python interpreter on the compute nodes; None: the one running hpcrl (shared filesystem)."""
     train: dict[str, Any] = Field(default_factory=dict)
     """Training settings, read by the driver (hpcrl/ppo/config.py)."""
+    overridden: dict[str, Any] = Field(default_factory=dict)
+    """The values set on the command line (`hpcrl submit SPEC train.actor_lr=1e-6`), path -> value,
+    already merged into the fields above: a record for `hpcrl status`, written by hpcrl."""
     driver: str | None = None
     """Your own training loop, `package.module:function`, called with the run's RunContext
     (hpcrl/ppo/context.py) instead of the built-in PPO driver; None: the built-in one."""

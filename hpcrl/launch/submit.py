@@ -30,21 +30,22 @@ def checked_hetjob(spec: JobSpec, offline: bool = False) -> HetJob:
     return job
 
 
-def submit(spec: JobSpec | str | Path, via: str = "sbatch", *, run_dir: str | Path | None = None,
-           resume: bool = False, wait: bool = False, dry_run: bool = False, fn: Callable | None = None,
-           args: tuple = ()) -> JobHandle | str:
+def submit(spec: JobSpec | str | Path, via: str = "sbatch", *, overrides: list[str] | dict | None = None,
+           run_dir: str | Path | None = None, resume: bool = False, wait: bool = False, dry_run: bool = False,
+           fn: Callable | None = None, args: tuple = ()) -> JobHandle | str:
     """`hpcrl submit` from Python: submit a job spec as one heterogeneous job, checked first.
 
     spec: a JobSpec (`hpcrl.load_spec`) or the path of its YAML file, as the command takes it.
     via: "sbatch" (the rendered batch script) or "submitit" (the driver as a Checkpointable).
-    run_dir: the run directory instead of the spec's (--run-dir). resume: continue the run already
+    overrides: fields set by dotted path, ["train.actor_lr=1e-6"] or {"train.actor_lr": 1e-6}
+    (PATH=VALUE). run_dir: the run directory instead of the spec's (--run-dir). resume: continue the run already
     in it (--resume). wait: return once every component has ended (--wait). dry_run: return the
     batch script, nothing written (--dry-run). fn, args: run another function in component 0
     (submitit). Returns the JobHandle (job_id, state(), wait(), logs(role))."""
     if not isinstance(spec, JobSpec):
-        spec = load_spec(spec, run_dir=run_dir)
-    elif run_dir is not None:
-        spec = parse_spec(spec.as_data(), spec._source or spec.name, run_dir)
+        spec = load_spec(spec, run_dir=run_dir, overrides=overrides)
+    elif run_dir is not None or overrides:
+        spec = parse_spec(spec.as_data(), spec._source or spec.name, run_dir, overrides)
     job = checked_hetjob(spec)
     if dry_run:
         return render_hetjob(job)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+import yaml
+
 from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.observe.status import read_status
 from hpcrl.run_dir import RunDir
@@ -44,6 +46,8 @@ def gather_status(run_dir) -> dict:
                              "path": str(store.step_dir(steps[-1]))}
     else:
         out["checkpoint"] = None
+    spec = yaml.safe_load(paths.spec.read_text()) if paths.spec.exists() else None
+    out["overridden"] = (spec or {}).get("overridden") or {}      # set on the command line
     out["ray"] = None
     if cluster:
         ready = paths.ray_ready(cluster["run_id"])     # this start's barrier, not an earlier one's
@@ -74,6 +78,8 @@ def format_status(st: dict) -> str:
         for c in st["components"]:
             lines.append(f"  component {c['index']} {','.join(c['roles']):22s} {c['state']:11s} "
                          f"partition {c['partition'] or '?':8s} nodes {' '.join(c['nodes']) or '-'}")
+    if st.get("overridden"):
+        lines.append("overrides: " + " ".join(f"{k}={json.dumps(v)}" for k, v in st["overridden"].items()))
     if st["ray"]:
         ray_ = st["ray"]
         lines.append(f"ray: {ray_['address']} (head {ray_['head']}), nodes {' '.join(ray_['nodes'])}; "

@@ -100,7 +100,7 @@ class RunContext:
     pipelined driver sets it: the steps whose batches are being generated ahead, which the
     `rebuild` event of a role names)."""
     cfg: PPOConfig
-    """the train: settings (hpcrl/ppo/config.py), your own roles' among the spec's roles"""
+    """the train: settings (hpcrl/ppo/config.py)"""
     run_dir: Path
     """the run directory (RunDir names every path in it)"""
     groups: dict[str, WorkerGroup]
@@ -111,7 +111,7 @@ class RunContext:
     status: RunStatus
     """status.json and events.jsonl: `status.phase(step, "my phase")` says what runs"""
     stop: StopRequest
-    """`stop.check()`: why to stop now (a signal, the deadline, `hpcrl cancel`) or None"""
+    """`stop.check()`: why to stop now (Slurm's signal, the deadline, the batch script's stop file) or None"""
     metrics: MetricsLog
     """metrics.jsonl (and TensorBoard, W&B): write through `log`"""
     prompts: Path
