@@ -3,6 +3,12 @@
     import hpcrl
     spec = hpcrl.load_spec("jobs/tiny-cpu.yaml")
     job = hpcrl.submit(spec, via="sbatch")      # job.job_id, job.state(), job.wait(), job.logs(role)
+    hpcrl.submit("jobs/tiny-cpu.yaml", overrides=["train.actor_lr=1e-6"], run_dir="runs/lr", wait=True)
+    hpcrl.run(spec, run_dir="runs/here")         # hpcrl run --local
+    hpcrl.sweep(spec, {"train.seed": [1, 2]}, max_running=1)   # hpcrl sweep
+    hpcrl.cancel("runs/lr")                      # hpcrl cancel: a last checkpoint, no requeue
+
+Each takes the options of its command, as keyword arguments.
 
 The names below are imported when first used, so `import hpcrl` (and every `python -m hpcrl.<step>`
 of a batch script) loads nothing it does not need.
@@ -10,7 +16,8 @@ of a batch script) loads nothing it does not need.
 from hpcrl._version import __version__
 
 _API = {"JobSpec": "hpcrl.job", "SpecError": "hpcrl.job", "load_spec": "hpcrl.job",
-        "submit": "hpcrl.launch.submit", "JobHandle": "hpcrl.slurm.submit", "connect": "hpcrl.raycluster",
+        "submit": "hpcrl.launch.submit", "run": "hpcrl.launch.local", "sweep": "hpcrl.launch.sweep",
+        "cancel": "hpcrl.launch.cancel", "JobHandle": "hpcrl.slurm.submit", "connect": "hpcrl.raycluster",
         # for your own roles and driver (README: "Add a role in three steps")
         "Worker": "hpcrl.controller", "register": "hpcrl.controller", "Dispatch": "hpcrl.controller",
         "Batch": "hpcrl.controller.batch", "RunContext": "hpcrl.ppo.context"}

@@ -107,22 +107,83 @@ def _print_metrics(run_dir) -> None:
 
 def cmd_run(args) -> int:
     """The training loop of a spec on this machine: one local Ray node carrying every role."""
-    from hpcrl.launch.driver import run
-    from hpcrl.slurm.submit import write_spec
+    from hpcrl.launch.local import run
 
     if not args.local:
         raise SpecError(["hpcrl run needs --local (on a cluster use `hpcrl submit`)"], args.spec)
     spec = _load(args, for_cluster=False)
-    if not spec.train:
-        raise SpecError(["train: empty; there is nothing to run (hpcrl/ppo/config.py lists the settings)"], args.spec)
-    paths = RunDir(spec.run_dir)
-    if paths.metrics.exists() and not args.resume:
-        raise SpecError([f"run_dir: {paths.root} already holds a run ({paths.metrics.name}); add --resume to continue "
-                         "it from its newest checkpoint, or choose a new --run-dir"], args.spec)
-    write_spec(paths.root, spec.as_data())
-    print(f"run dir {paths.root}; roles {', '.join(spec.roles)} on one local Ray node", flush=True)
-    run(paths.root, local=True, num_cpus=args.num_cpus)
-    _print_metrics(paths.root)
+    print(f"run dir {spec.run_dir}; roles {', '.join(spec.roles)} on one local Ray node", flush=True)
+    run(spec, resume=args.resume, num_cpus=args.num_cpus)
+    _print_metrics(spec.run_dir)
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    """One hetjob per combination; `hpcrl sweep status DIR` shows a sweep's runs."""
+    from pathlib import Path
+
+    from hpcrl.run_dir import SweepDir
+
+    if args.spec == "status":
+        if len(args.overrides) != 1:
+            print("error: hpcrl sweep status SWEEP_DIR", file=sys.stderr)
+            return 2
+        return _sweep_status(Path(args.overrides[0]))
+    from hpcrl.launch.sweep import sweep
+
+    handles = sweep(args.spec, args.overrides, args.via, run_dir=args.run_dir, max_running=args.max_running,
+                    dry_run=args.dry_run, say=lambda text: print(text, flush=True))
+    if args.dry_run:
+        print("\n".join(f"{name}: " + " ".join(f"{k}={v}" for k, v in values.items()) for name, values in handles))
+        print(f"{len(handles)} runs checked; nothing submitted (--dry-run)")
+        return 0
+    root = SweepDir(handles[0].run_dir.parent)
+    print(f"sweep of {len(handles)} runs in {root.root}: hpcrl sweep status {root.root}", flush=True)
+    if not args.wait:
+        return 0
+    states = [h.wait(poll_s=2.0) for h in handles]
+    _sweep_status(root.root)
+    return 0 if all(s == "COMPLETED" for st in states for s in st.values()) else 1
+
+
+def _sweep_status(root) -> int:
+    from hpcrl.observe.runs import format_runs, run_row
+    from hpcrl.run_dir import SweepDir
+
+    where = SweepDir(root)
+    sweep = where.read()
+    if sweep is None:
+        print(f"error: {where.record} missing: {where.root} is not a sweep (hpcrl ls lists runs anywhere)", file=sys.stderr)
+        return 2
+    at_most = f" (at most {sweep['max_running']} running)" if sweep["max_running"] else ""
+    print(f"sweep of {sweep['spec']}: " + "; ".join(f"{p} = {', '.join(v)}" for p, v in sweep["axes"].items()) + at_most)
+    print(format_runs([run_row(where.run(r["name"]), where.root) for r in sweep["runs"]]))
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from hpcrl.launch.cancel import cancel
+
+    run_dir = _run_dir_of(args.target)
+    out = cancel(run_dir, now=args.now, timeout=args.timeout, say=lambda text: print(text, flush=True))
+    states = "/".join(sorted(set(out["states"].values()))) if out["states"] else "stopped"
+    ckpt = f"step {out['checkpoint']}" if out["checkpoint"] is not None else "none"
+    print(f"{'job ' + out['job_id'] if out['job_id'] else 'the local run'}: {states} "
+          f"({'after a last checkpoint' if out['how'] == 'checkpoint' else 'scancel'}); newest committed checkpoint: "
+          f"{ckpt}; continue it with: hpcrl submit {RunDir(run_dir).spec} --resume")
+    return 0
+
+
+def cmd_ls(args) -> int:
+    from pathlib import Path
+
+    from hpcrl.observe.runs import format_runs, list_runs
+
+    if not Path(args.dir).is_dir():
+        print(f"error: {args.dir}: no such folder (hpcrl ls DIR lists the runs below DIR)", file=sys.stderr)
+        return 2
+    rows = list_runs(args.dir)
+    print(format_runs(rows) if rows else f"no runs under {args.dir}")
     return 0
 
 
@@ -191,10 +252,12 @@ def cmd_logs(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from hpcrl.observe.report import write_report
+    from hpcrl.observe.report import write_report, write_sweep_report
+    from hpcrl.run_dir import SweepDir
 
+    target = _run_dir_of(args.target)
     try:
-        index = write_report(_run_dir_of(args.target))
+        index = (write_sweep_report if SweepDir(target).record.exists() else write_report)(target)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -274,10 +337,18 @@ def cmd_ckpt(args) -> int:
     return 1 if bad else 0
 
 
+COMPLETE = "__complete"     # hidden: `hpcrl __complete CWORD WORD...`, called by the completion script
+
 OVERRIDES_HELP = """overrides: PATH=VALUE sets a field of the spec by its dotted path, the value read as YAML
 (numbers, true/false, [lists], null); checked as the file is, an unknown path names the nearest:
   hpcrl submit job.yaml train.actor_lr=1e-6 roles.critic.nodes=2 signal_lead=300
 The run's spec.yaml holds the merged spec (its `overridden:` lists them); hpcrl status shows them."""
+
+
+SWEEP_HELP = """PATH=A,B,C is an axis; one hetjob per combination of the axes, in SWEEP_DIR/<name>/:
+  hpcrl sweep job.yaml train.actor_lr=1e-6,3e-6 train.seed=1,2 --max-running 2
+  hpcrl sweep status runs/sweep        hpcrl report runs/sweep        hpcrl ls runs/sweep
+Every combination is checked against the live cluster before the first is submitted."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -312,6 +383,28 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may use (default: all)")
     c.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its newest checkpoint")
     c.set_defaults(fn=cmd_run)
+    c = sub.add_parser("sweep", help="submit one hetjob per combination of PATH=A,B,... values (all checked first); "
+                                     "hpcrl sweep status SWEEP_DIR", epilog=SWEEP_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("spec", help="job spec (YAML); or `status`, followed by a sweep's folder")
+    c.add_argument("overrides", nargs="*", metavar="PATH=VALUE[,VALUE...]",
+                   help="an axis (several values) or an override of every run (one value)")
+    c.add_argument("--run-dir", help="the sweep's folder, one run directory per combination inside (default: the spec's run_dir)")
+    c.add_argument("--via", choices=["sbatch", "submitit"], default="sbatch")
+    c.add_argument("--max-running", type=int, metavar="N", help="at most N jobs at once, through Slurm dependencies")
+    c.add_argument("--dry-run", action="store_true", help="check every combination; submit nothing")
+    c.add_argument("--wait", action="store_true", help="wait for every job; exit 0 if all completed")
+    c.set_defaults(fn=cmd_sweep)
+    c = sub.add_parser("cancel", help="end a run's job after a last committed checkpoint, without requeue "
+                                      "(--now: scancel at once)")
+    c.add_argument("target", help="run directory, or job id")
+    c.add_argument("--now", action="store_true", help="scancel at once, no last checkpoint (the newest committed one stays)")
+    c.add_argument("--timeout", type=float, default=600, help="seconds to wait for the driver's checkpoint before "
+                                                              "scancel (default 600)")
+    c.set_defaults(fn=cmd_cancel)
+    c = sub.add_parser("ls", help="the runs under a folder: job, state, step, checkpoint, reward, held-out score")
+    c.add_argument("dir", nargs="?", default="runs", help="a folder of runs, a sweep, or one run (default: runs)")
+    c.set_defaults(fn=cmd_ls)
     c = sub.add_parser("init", help="list the example job specs, or print one to start from: hpcrl init NAME > job.yaml")
     c.add_argument("name", nargs="?", help="an example's name (without NAME, the list)")
     c.set_defaults(fn=cmd_init)
@@ -357,14 +450,37 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rank", type=int, help="only this rank of the role")
     c.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the run ends (or Ctrl-C)")
     c.set_defaults(fn=cmd_logs)
-    c = sub.add_parser("report", help="write RUN_DIR/report/: PNG curves, per-phase time chart, index.html")
-    c.add_argument("target", help="run directory, or job id")
+    c = sub.add_parser("report", help="write RUN_DIR/report/: PNG curves, per-phase time chart, index.html; "
+                                      "of a sweep's folder: every run's curves on one page")
+    c.add_argument("target", help="run directory, job id, or a sweep's folder")
     c.set_defaults(fn=cmd_report)
+    c = sub.add_parser("completion", help="print the shell completion script: eval \"$(hpcrl completion bash)\" "
+                                          "(commands, options, spec paths of overrides)")
+    c.add_argument("shell", choices=["bash", "zsh"])
+    c.set_defaults(fn=cmd_completion)
     return p
 
 
+def cmd_completion(args) -> int:
+    from hpcrl.completion import shell_script
+
+    sys.stdout.write(shell_script(args.shell))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == [COMPLETE]:        # the shell's completion function asks (hpcrl/completion.py)
+        from hpcrl.completion import complete_main
+
+        return complete_main(build_parser(), argv[1:])
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes positionals only before the options; overrides may come after them too
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from hpcrl.slurm.cluster_info import SlurmCommandError
 
     try:

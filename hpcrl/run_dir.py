@@ -8,6 +8,7 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
             job.json           the submitted job: id, via, component of each role
             allocation.json    the nodes of every component (written in the batch shell)
             stop               a signal the batch script noted before the driver ran
+            cancel             `hpcrl cancel` asked for a last checkpoint and no requeue
             status.json        the driver's state, step, phase and roles (rewritten every phase)
             events.jsonl       start, checkpoint, stop, finish, fail
             metrics.jsonl      one record per step
@@ -32,6 +33,33 @@ def rank_log(logs: Path, role: str, rank: int) -> Path:
 def rank_calls(logs: Path, role: str, rank: int) -> Path:
     """The calls one rank ran, a JSON line each (its WorkerHost writes them; the report draws them)."""
     return Path(logs) / role / f"rank{rank}.calls.jsonl"
+
+
+@dataclass(frozen=True)
+class SweepDir:
+    """A sweep's folder (`hpcrl sweep`): sweep.json (the spec, the axes, each run's name, values and
+    job id) and one run directory per combination, SWEEP_DIR/<name>/."""
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def record(self) -> Path:
+        return self.root / "sweep.json"
+
+    def run(self, name: str) -> Path:
+        return self.root / name
+
+    def read(self) -> dict | None:
+        """sweep.json, or None where this folder holds no sweep."""
+        import json
+
+        return json.loads(self.record.read_text()) if self.record.exists() else None
+
+    @property
+    def report(self) -> Path:
+        return self.root / "report"
 
 
 @dataclass(frozen=True)
@@ -66,6 +94,10 @@ class RunDir:
     @property
     def stop(self) -> Path:
         return self.root / "stop"
+
+    @property
+    def cancel(self) -> Path:
+        return self.root / "cancel"
 
     @property
     def status(self) -> Path:

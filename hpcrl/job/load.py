@@ -74,6 +74,11 @@ def load_spec(path: str | Path, run_dir: str | Path | None = None,
               overrides: list[str] | dict[str, Any] | None = None) -> JobSpec:
     """Read and validate a YAML job spec; `run_dir` replaces the spec's run directory, `overrides`
     (["train.actor_lr=1e-6", ...]) set fields by dotted path."""
+    return parse_spec(read_spec_data(path), str(path), run_dir, overrides)
+
+
+def read_spec_data(path: str | Path) -> Any:
+    """The YAML of a spec file, not yet checked; a SpecError when it does not read."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -83,4 +88,4 @@ def load_spec(path: str | Path, run_dir: str | Path | None = None,
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise SpecError([f"not valid YAML: {e}"], str(path)) from None
-    return parse_spec(data, str(path), run_dir, overrides)
+    return data

@@ -117,3 +117,47 @@ def _path_problem(parts: list[str], tree: dict, data: dict) -> str | None:
 def _nearest(name: str, known) -> str:
     near = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
     return f"; did you mean {' or '.join(near)}?" if near else ""
+
+
+def parse_sweep(items: list[str]) -> tuple[dict[str, Any], dict[str, list[tuple[str, Any]]]]:
+    """`hpcrl sweep`'s words -> (overrides for every run, axes: path -> [(value as typed, value)]).
+    PATH=A,B,C is an axis; a comma inside [..], {..} or quotes belongs to its value, so
+    roles.rollout.gres=[gpu:1] stays one value and x=[1,2],[3,4] is an axis of two lists."""
+    fixed, axes, problems = {}, {}, []
+    for item in items:
+        path, eq, text = item.partition("=")
+        if not eq or not path.strip():
+            problems.append(f"{item!r}: a sweep's override is PATH=VALUE[,VALUE...], e.g. train.actor_lr=1e-6,3e-6")
+            continue
+        texts = _top_level_split(text)
+        try:
+            values = [(t, scalar(t)) for t in texts]
+        except yaml.YAMLError as e:
+            problems.append(f"{path}: {text!r} is not a list of YAML values ({str(e).splitlines()[0]})")
+            continue
+        if path.strip() in axes or path.strip() in fixed:
+            problems.append(f"{path}: given twice; list its values once, comma-separated")
+        elif len(values) > 1:
+            axes[path.strip()] = values
+        else:
+            fixed[path.strip()] = values[0][1]
+    if problems:
+        raise OverrideError(problems)
+    return fixed, axes
+
+
+def _top_level_split(text: str) -> list[str]:
+    parts, depth, quote, start = [], 0, None, 0
+    for i, c in enumerate(text):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return [p.strip() for p in parts + [text[start:]]]

@@ -44,7 +44,8 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     else:
         connect(paths.root)
     try:
-        return train(cfg, paths.root, stop=stop, metrics=spec.metrics.model_dump(), own=own, driver=driver)
+        return train(cfg, paths.root, stop=stop or StopRequest(cancel_file=paths.cancel),
+                     metrics=spec.metrics.model_dump(), own=own, driver=driver)
     finally:
         ray.shutdown()
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-cpus", type=int, default=None, help="CPUs the local Ray may use (default: all)")
     args = ap.parse_args(argv)
     paths = RunDir(args.run_dir)
-    stop = StopRequest(JobEnv.read().deadline, paths.stop)
+    stop = StopRequest(JobEnv.read().deadline, paths.stop, paths.cancel)
     stop.install()
     try:
         _, reason = run(paths.root, stop, local=args.local, num_cpus=args.num_cpus)

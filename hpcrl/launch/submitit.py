@@ -23,7 +23,7 @@ class SubmititTraining(submitit.helpers.Checkpointable):
         from hpcrl.launch.driver import run  # here: `import hpcrl` must not import the trainer
         from hpcrl.observe.metrics import read_metrics
 
-        self._stop, outcome = StopRequest(), {}
+        self._stop, outcome = StopRequest(cancel_file=RunDir(self.run_dir).cancel), {}
 
         def train():
             try:

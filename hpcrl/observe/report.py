@@ -1,4 +1,5 @@
-"""`hpcrl report RUN_DIR`: RUN_DIR/report/ with one PNG per view of the run and an index.html.
+"""`hpcrl report RUN_DIR`: RUN_DIR/report/ with one PNG per view of the run and an index.html;
+`hpcrl report SWEEP_DIR`: the sweep's runs' curves on one page, a line per run.
 
 Reads only files: metrics.jsonl (one record per step, continuous across requeues since a resumed
 run truncates to its checkpoint), events.jsonl (starts, checkpoints), spec.yaml, allocation.json,
@@ -16,7 +17,7 @@ from pathlib import Path
 from hpcrl.observe.logs import read_calls
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events, read_status
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import RunDir, SweepDir
 
 # (file, title, [(metric key, label)], y label); a key ending in * stands for every key it starts
 CURVES = [
@@ -148,6 +149,61 @@ def write_report(run_dir: Path) -> Path:
         figures.insert(0, ("timeline.png", "Timeline of the roles' calls"))
     index = out / "index.html"
     index.write_text(_html(run_dir, records, events, restart_steps, figures))
+    return index
+
+
+SWEEP_CURVES = [("reward.png", "Reward (mean)", "reward/mean"), ("validation.png", "Held-out score", "val/score"),
+                ("kl.png", "KL to the reference", "kl"), ("response_length.png", "Response length", "response_length/mean")]
+
+
+def write_sweep_report(root: Path) -> Path:
+    """Write SWEEP_DIR/report/{*.png,index.html}: every run of the sweep on each curve, and the
+    table of `hpcrl sweep status`; returns the index path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpcrl.observe.runs import format_runs, run_row
+
+    where = SweepDir(root)
+    sweep = where.read()
+    runs = {r["name"]: read_metrics(RunDir(where.run(r["name"])).metrics) for r in sweep["runs"]}
+    if not any(runs.values()):
+        raise ValueError(f"{where.root}: no run of the sweep has recorded a step yet; nothing to report")
+    where.report.mkdir(exist_ok=True)
+    figures = []
+    for name, title, key in SWEEP_CURVES:
+        if not any(r.get(key) is not None for records in runs.values() for r in records):
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        for i, (run, records) in enumerate(runs.items()):
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), label=run, linewidth=1.2, color=f"C{i % 10}", marker="o" if len(points) < 12 else None,
+                        markersize=3)
+        ax.set(title=title, xlabel="step", ylabel=key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(where.report / name, dpi=110)
+        plt.close(fig)
+        figures.append((name, title))
+    e = html.escape
+    table = format_runs([run_row(where.run(r["name"]), where.root) for r in sweep["runs"]])
+    axes = "  ".join(f"{p} = {', '.join(vs)}" for p, vs in sweep["axes"].items())
+    imgs = "".join(f'<figure><img src="{e(n)}" alt="{e(t)}"><figcaption>{e(t)}</figcaption></figure>' for n, t in figures)
+    index = where.report / "index.html"
+    index.write_text(f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>hpcrl sweep: {e(where.root.name)}</title>
+<style>body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }} img {{ max-width: 100%; }}
+figure {{ display: inline-block; margin: 0.5em; }} figcaption {{ font-size: 0.85em; color: #555; }}</style></head><body>
+<h1>Sweep {e(where.root.name)}</h1>
+<p>{e(sweep['spec'])}: {e(axes)}; {len(sweep['runs'])} runs, written {time.strftime('%Y-%m-%d %H:%M:%S')}</p>
+<pre>{e(table)}</pre>
+{imgs}
+</body></html>
+""")
     return index
 
 

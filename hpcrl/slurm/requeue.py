@@ -3,7 +3,8 @@
     python -m hpcrl.slurm.requeue deadline   epoch seconds by which the driver must have stopped:
                                              the job's end time from Slurm, minus the signal lead
     python -m hpcrl.slurm.requeue after RC   RC == 3: requeue the job (its hetjob leader) unless
-                                             requeue is off or the restart count reached the limit;
+                                             requeue is off, the restart count reached the limit
+                                             or `hpcrl cancel` asked (then the job cancels itself);
                                              says which, and why, in the job log
 """
 from __future__ import annotations
@@ -38,6 +39,11 @@ def after(rc: int) -> int:
     if rc != EXIT_REQUEUE:
         return rc
     env = JobEnv.read()
+    if RunDir(env.run_dir).cancel.exists():
+        print("[hpcrl] not requeued: hpcrl cancel asked; the run stopped at its last checkpoint (continue it with "
+              "hpcrl submit --resume); the job cancels itself", flush=True)
+        slurm_cmd("scancel", job)    # its state says what happened: CANCELLED, as scancel leaves it
+        return 0
     count, limit = int(os.environ.get("SLURM_RESTART_COUNT", "0")), env.max_restarts
     if not env.requeue:
         print("[hpcrl] not requeued: requeue is off in the spec; the run stopped at its last checkpoint "

@@ -142,9 +142,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 def write_spec(run_dir: Path, spec_data: dict | None) -> None:
-    """The run directory with its logs folder and, given, the spec the job's steps read back."""
+    """The run directory with its logs folder and, given, the spec the job's steps read back; a new
+    start of the run is not cancelled by an earlier `hpcrl cancel`."""
     paths = RunDir(run_dir)
     paths.logs.mkdir(parents=True, exist_ok=True)
+    paths.cancel.unlink(missing_ok=True)
     if spec_data is not None:
         atomic_write_text(paths.spec, yaml.safe_dump(spec_data, sort_keys=False))
 
@@ -183,10 +185,11 @@ class HetjobExecutor(submitit.SlurmExecutor):
 
     job_class = HetjobSubmititJob
 
-    def __init__(self, job: HetJob, folder: str | Path | None = None, max_num_timeout: int = 3):
+    def __init__(self, job: HetJob, folder: str | Path | None = None, max_num_timeout: int = 3,
+                 dependency: str | None = None):
         super().__init__(folder or RunDir(job.run_dir).submitit, max_num_timeout=max_num_timeout,
                          python=job.python)
-        self.hetjob = job
+        self.hetjob, self.dependency = job, dependency
         # submitit tells a timeout from a preemption by the job's time limit
         t0 = job.components[0].time_min
         if t0 is not None:
@@ -209,17 +212,23 @@ class HetjobExecutor(submitit.SlurmExecutor):
         return 1
 
     def _make_submission_command(self, submission_file_path: Path) -> list[str]:
-        return ["sbatch", str(submission_file_path)]
+        return ["sbatch", *_dependency_args(self.dependency), str(submission_file_path)]
 
 
 # ------------------------------------------------------------------ entry point
 VIAS = ("sbatch", "submitit")
 
 
+def _dependency_args(dependency: str | None) -> list[str]:
+    # on the command line, not in the script: a resubmission of the script does not wait again
+    return [f"--dependency={dependency}"] if dependency else []
+
+
 def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, spec_data: dict | None = None,
-                  fn: Callable | None = None, args: tuple = ()) -> JobHandle:
+                  fn: Callable | None = None, args: tuple = (), dependency: str | None = None) -> JobHandle:
     """Write the run directory and submit (the job's checks are the caller's: hpcrl.job.checks).
-    The run directory is refused, untouched, when it holds a live job or, without resume, an earlier run."""
+    The run directory is refused, untouched, when it holds a live job or, without resume, an earlier run.
+    dependency: sbatch's --dependency (afterany:123), which a whole hetjob waits for."""
     if via not in VIAS:
         raise SubmitError(f"via must be 'sbatch' or 'submitit', got {via!r}")
     check_run_dir(job.run_dir, resume)
@@ -227,12 +236,12 @@ def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, spe
         from hpcrl.slurm.allocation import read_allocation
 
         write_spec(job.run_dir, spec_data)
-        sjob = HetjobExecutor(job).submit(fn or read_allocation, *(args if fn else (str(job.run_dir),)))
+        sjob = HetjobExecutor(job, dependency=dependency).submit(fn or read_allocation, *(args if fn else (str(job.run_dir),)))
         record_job(job, sjob.job_id, via)
         return JobHandle(sjob.job_id, job.run_dir, job.members(), submitit_job=sjob)
     script_path = prepare_run_dir(job, spec_data, render_hetjob(job))
     try:
-        out = slurm_cmd("sbatch", "--parsable", str(script_path))
+        out = slurm_cmd("sbatch", "--parsable", *_dependency_args(dependency), str(script_path))
     except SlurmCommandError as e:
         raise SubmitError(str(e)) from None
     job_id = out.strip().split(";")[0]
