@@ -69,7 +69,7 @@ def run_hpcrl(name: str, settings: dict, args, work: Path, held: Path) -> tuple[
     """The driver in a fresh process, SIGUSR1 after `minutes` of training: ((training s, held-out
     accuracy) points, steps, training seconds)."""
     from hpcrl.launch.driver import write_local_spec
-    from hpcrl.observe.metrics import read_metrics
+    from hpcrl.observe.metrics import read_metrics, score_over_training_time
 
     run = work / name
     subprocess.run(["rm", "-rf", str(run)], check=True)
@@ -84,12 +84,7 @@ def run_hpcrl(name: str, settings: dict, args, work: Path, held: Path) -> tuple[
     records = read_metrics(run / "metrics.jsonl")
     if proc.returncode not in (0, 3) or not records:
         raise RuntimeError(f"{name}: the driver exited {proc.returncode} after {len(records)} records; see {run}")
-    points, clock = [], 0.0
-    for r in records:
-        clock += r.get("timing/step", 0.0) - r.get("timing/validate", 0.0)
-        if "val/score" in r:
-            points.append((round(clock, 1), r["val/score"]))
-    return points, sum(1 for r in records if "reward/mean" in r), clock
+    return score_over_training_time(records), sum(1 for r in records if "reward/mean" in r), trained_seconds(records)
 
 
 def trained_seconds(records: list[dict]) -> float:

@@ -84,3 +84,21 @@ def test_tensorboard_gets_the_same_scalars(tmp_path):
     assert events.Tags()["scalars"] == ["reward/mean"]          # None (not measured) is left out
     got = [(e.step, e.value, e.wall_time) for e in events.Scalars("reward/mean")]
     assert got == [(r["step"], r["reward/mean"], r["time"]) for r in read_metrics(tmp_path / "metrics.jsonl")]
+
+
+def test_the_held_out_score_is_drawn_against_training_time_off_the_validation_clock(tmp_path):
+    from hpcrl.observe.metrics import score_over_training_time
+
+    # step 0 validates before training; steps 2 and 4 validate (1.5 s of their step time)
+    records = [{"step": 0, "val/score": 0.2}, {"step": 1, "timing/step": 2.0, "reward/mean": 0.1},
+               {"step": 2, "timing/step": 3.5, "timing/validate": 1.5, "val/score": 0.4, "reward/mean": 0.2},
+               {"step": 3, "timing/step": 2.0, "reward/mean": 0.3},
+               {"step": 4, "timing/step": 4.0, "timing/validate": 1.5, "val/score": 0.6, "reward/mean": 0.4}]
+    assert score_over_training_time(records) == [(0.0, 0.2), (4.0, 0.4), (8.5, 0.6)]    # by hand: 2+2, 4+2+2.5
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    subprocess.run([sys.executable, "-m", "hpcrl", "report", str(run)], capture_output=True, text=True, cwd=ROOT,
+                   check=True)
+    assert {"validation.png", "validation_time.png"} <= {p.name for p in (run / "report").glob("*.png")}
+    assert 'src="validation_time.png"' in (run / "report" / "index.html").read_text()

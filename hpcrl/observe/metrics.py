@@ -84,6 +84,17 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def score_over_training_time(records: list[dict], key: str = "val/score") -> list[tuple[float, float]]:
+    """(seconds of training, score) at every record with `key`: each step's time less its
+    validation's (the held-out measurement is off the clock), summed up to that record."""
+    points, clock = [], 0.0
+    for r in records:
+        clock += r.get("timing/step", 0.0) - r.get("timing/validate", 0.0)
+        if r.get(key) is not None:
+            points.append((round(clock, 1), r[key]))
+    return points
+
+
 def reward_table(records: list[dict], first: int = 3, last: int = 3) -> str:
     """The first and last steps' reward, KL and response length (and held-out score, where there is
     one), as a small text table; "-" where a driver of your own did not record a column."""

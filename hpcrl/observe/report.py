@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from hpcrl.observe.logs import read_calls
-from hpcrl.observe.metrics import read_metrics
+from hpcrl.observe.metrics import read_metrics, score_over_training_time
 from hpcrl.observe.status import read_events, read_status
 from hpcrl.run_dir import RunDir, SweepDir
 
@@ -138,6 +138,17 @@ def write_report(run_dir: Path) -> Path:
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         figures.append((name, title))
+    timed = score_over_training_time(records)
+    if timed:          # what a learning bench compares: the held-out score against seconds of training
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        ax.plot(*zip(*timed), marker="o", markersize=3, linewidth=1.2)
+        ax.set(title="Held-out score against training time", xlabel="seconds of training (validation off the clock)",
+               ylabel="score")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out / "validation_time.png", dpi=110)
+        plt.close(fig)
+        figures.append(("validation_time.png", "Held-out score against training time"))
     spans = timeline_spans(read_calls(run_dir), records)
     if spans:
         fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(spans[2])))
