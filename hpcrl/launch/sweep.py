@@ -23,7 +23,7 @@ from typing import Any, Callable
 from hpcrl.files import atomic_write_text
 from hpcrl.job.checks import problems_before_submit
 from hpcrl.job.load import parse_spec, read_spec_data
-from hpcrl.job.overrides import OverrideError, parse_sweep
+from hpcrl.job.overrides import OverrideError, parse_overrides, parse_sweep
 from hpcrl.job.spec import JobSpec, SpecError
 from hpcrl.launch.submit import hetjob_of
 from hpcrl.launch.submitit import training_function
@@ -68,7 +68,7 @@ def sweep(spec: str | Path | JobSpec, axes: list[str] | dict[str, list], via: st
     try:
         fixed, grid = parse_sweep(axes) if isinstance(axes, list) else ({}, {
             p: [(json.dumps(v) if not isinstance(v, str) else v, v) for v in vs] for p, vs in axes.items()})
-        fixed = {**(parse_sweep(overrides)[0] if isinstance(overrides, list) else overrides or {}), **fixed}
+        fixed = {**parse_overrides(overrides or {}), **fixed}     # overrides are never axes
     except OverrideError as e:
         raise SpecError([f"override {p}" for p in e.problems], source) from None
     if not grid:

@@ -42,7 +42,10 @@ def after(rc: int) -> int:
     if RunDir(env.run_dir).cancel.exists():
         print("[hpcrl] not requeued: hpcrl cancel asked; the run stopped at its last checkpoint (continue it with "
               "hpcrl submit --resume); the job cancels itself", flush=True)
-        slurm_cmd("scancel", job)    # its state says what happened: CANCELLED, as scancel leaves it
+        try:
+            slurm_cmd("scancel", job)    # its state says what happened: CANCELLED, as scancel leaves it
+        except SlurmCommandError as e:
+            print(f"[hpcrl] scancel {job} refused ({e}); the job ends COMPLETED instead", flush=True)
         return 0
     count, limit = int(os.environ.get("SLURM_RESTART_COUNT", "0")), env.max_restarts
     if not env.requeue:
