@@ -3,8 +3,11 @@ weight-free scoring runs while the step before trains, the recorded policy versi
 rebuilt while the rollout goes on. Times come from the roles' own calls files
 (logs/<role>/rank0.calls.jsonl, written by each worker process)."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -53,16 +56,26 @@ def test_a_slow_scorer_scores_batches_ahead_while_the_step_before_trains(tmp_pat
 
 def test_while_the_critic_is_rebuilt_the_rollout_has_the_next_batch_in_hand(tmp_path):
     run = tmp_path / "run"
-    proc = start_local_training(run, PPOConfig(total_steps=12, **PIPELINED))
+    proc = start_local_training(run, PPOConfig(total_steps=30, **PIPELINED))
     wait_until(lambda: len(read_metrics(run / "metrics.jsonl")) >= 3, 300, "3 steps")
+    pid = json.loads((run / "status.json").read_text())["roles"]["critic"]["ranks"][0]["pid"]
     calls = run / "logs" / "critic" / "rank0.calls.jsonl"
-    seen = len(calls.read_text().splitlines())
-    # the critic has just computed a step's values: its update of that step comes next
-    wait_until(lambda: len(lines := calls.read_text().splitlines()) > seen and
-               json.loads(lines[-1])["method"] == "compute_values", 60, "the critic's next values")
-    kill_dead(json.loads((run / "status.json").read_text())["roles"]["critic"]["ranks"][0]["pid"])
+
+    def frozen_before_its_update() -> bool:
+        """Freeze the critic and look: its last finished call computed a step's values, so that
+        step's update is running or next. Otherwise let it go on. Frozen, it cannot move on between
+        the look and the kill (a fast step ends between two polls of a file)."""
+        os.kill(pid, signal.SIGSTOP)
+        lines = calls.read_text().split("\n")[:-1]     # whole lines only
+        if lines and json.loads(lines[-1])["method"] == "compute_values":
+            return True
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.02)
+        return False
+    wait_until(frozen_before_its_update, 120, "the critic between its values and its update", poll=0)
+    kill_dead(pid)
     assert proc.wait(timeout=600) == 0
-    assert len(read_metrics(run / "metrics.jsonl")) == 12
+    assert len(read_metrics(run / "metrics.jsonl")) == 30
     events = read_events(run)
     down = next(e for e in events if e["event"] == "rebuild" and e["role"] == "critic")
     back = next(e for e in events if e["event"] == "rebuilt" and e["role"] == "critic")
