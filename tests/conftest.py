@@ -105,6 +105,23 @@ def slurm_log(run: Path) -> str:
     return "".join(p.read_text() for p in sorted((run / "logs").glob("slurm-*.out")))
 
 
+def keeping_off(spec: Path, victim: Path) -> Path:
+    """A copy of spec whose every component keeps off the node of `victim`'s component 0, once that
+    run has its nodes: an uninterrupted run beside the run that preempt_and_finish will preempt
+    there (a job preempted on a node takes its whole hetjob with it)."""
+    import yaml
+
+    wait_until(lambda: (victim / "allocation.json").exists(), 300, f"{victim.name}'s nodes")
+    node = json.loads((victim / "allocation.json").read_text())["components"][0]["nodes"][0]["name"]
+    data = yaml.safe_load(spec.read_text())
+    for role in data["roles"].values():
+        if "same_nodes_as" not in role:
+            role["sbatch_extra"] = [*role.get("sbatch_extra", []), f"--exclude={node}"]
+    path = spec.with_name(f"{spec.stem}-off-{node}.yaml")
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def preempt_and_finish(run: Path, job: str, timeout: float = 600) -> int:
     """An urgent job on the node of the run's component 0 preempts it (its signal, a checkpoint,
     a requeue); waits until the run has come back and finished. The step it stopped after, which

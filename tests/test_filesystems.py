@@ -58,9 +58,9 @@ def test_checkpoints_write_read_verify_and_resume_without_file_locks(tmp_path, n
     assert probe.returncode != 0 and "unable to lock file, errno = 37" in probe.stderr, probe.stderr
 
     cfg = PPOConfig(total_steps=6, save_every=2, progress=False)
-    with pytest.MonkeyPatch.context() as unlocked:      # the reference: an ordinary disk, no stop
+    with pytest.MonkeyPatch.context() as unlocked:      # the reference, meanwhile: an ordinary disk, no stop
         unlocked.delenv("LD_PRELOAD")
-        assert start_local_training(tmp_path / "once", cfg).wait(timeout=600) == 0
+        once = start_local_training(tmp_path / "once", cfg)
 
     proc = start_local_training(tmp_path / "twice", cfg)
     wait_until(lambda: len(read_metrics(tmp_path / "twice" / "metrics.jsonl")) >= random.randint(1, 4), 300, "steps")
@@ -72,6 +72,7 @@ def test_checkpoints_write_read_verify_and_resume_without_file_locks(tmp_path, n
                             capture_output=True, text=True, cwd=ROOT)
     assert verify.returncode == 0 and f"step {stopped}" in verify.stdout, verify.stdout + verify.stderr
     assert start_local_training(tmp_path / "twice", cfg).wait(timeout=600) == 0     # resumed and finished
+    assert once.wait(timeout=600) == 0
     assert_same_training(tmp_path / "once", tmp_path / "twice", 6)
 
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import ROOT, job_finished, kill_dead, preempt_and_finish, slurm_log, submit, wait_until
+from conftest import ROOT, job_finished, keeping_off, kill_dead, preempt_and_finish, slurm_log, submit, wait_until
 from test_requeue import assert_same_training
 
 from hpcrl.checkpoint.format import read_role_file
@@ -70,28 +70,13 @@ def test_a_spec_naming_code_that_is_not_there_is_refused_naming_the_field(tmp_pa
 
 @pytest.mark.slurm
 def test_own_role_on_its_component_and_own_loop_killed_and_preempted_train_as_the_builtin_loop(slurm_cluster, tmp_path):
-    """jobs/tiny-cpu-rules.yaml as it ships (built-in GRPO driver), uninterrupted; then with
-    driver: hpcrl.jobs.own_loop:main, the rule engine's process killed (only that role is rebuilt)
-    and the job preempted (it requeues and resumes): the own loop trains bitwise what the built-in
-    loop trained, which is what jobs/own_loop.py claims to be a copy of."""
+    """jobs/tiny-cpu-rules.yaml with driver: hpcrl.jobs.own_loop:main, the rule engine's process
+    killed (only that role is rebuilt) and the job preempted (it requeues and resumes); beside it,
+    on other nodes, the spec as it ships (the built-in GRPO driver), uninterrupted: the own loop
+    trains bitwise what the built-in loop trained, which is what jobs/own_loop.py claims to be a copy of."""
     once, twice = tmp_path / "once", tmp_path / "twice"
-    job = submit(rules_spec(tmp_path, "builtin", STEPS), once)
-    wait_until(lambda: job_finished(job), 600, "the built-in loop's run")
-    records = read_metrics(once / "metrics.jsonl")
-    assert len(records) == STEPS, slurm_log(once)
-    components = json.loads((once / "allocation.json").read_text())["components"]
-    assert [(c["members"], c["partition"]) for c in components] == [
-        (["actor_rollout"], "a100"), (["reward"], "cpu"), (["rule_engine"], "cpu")]
-    assert components[1]["nodes"] != components[2]["nodes"]
-    for r in records:    # each term logged, the sample's score their weighted sum
-        assert r["reward/mean"] == pytest.approx(r["score/reward"] + 0.5 * r["score/rule_engine"], abs=1e-6)
-    # the role's own state_dict is its checkpoint file: one batch scored per step
-    state, _ = read_role_file(once / "ckpt" / f"step_{STEPS:08d}" / "rule_engine.h5")
-    assert state["role"] == {"batches": STEPS}
-    for term in ("score/reward", "score/rule_engine"):    # both go up (the run is seeded: not by chance)
-        assert sum(r[term] for r in records[-10:]) / 10 > sum(r[term] for r in records[:5]) / 5
-
     job = submit(rules_spec(tmp_path, "own", STEPS, driver="hpcrl.jobs.own_loop:main"), twice)
+    plain = submit(keeping_off(rules_spec(tmp_path, "builtin", STEPS), twice), once)     # at the same time, elsewhere
     kill_at = random.Random().randint(3, 10)
     wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= kill_at, 300, f"{kill_at} steps")
     roles = lambda: json.loads((twice / "status.json").read_text())["roles"]  # noqa: E731
@@ -106,6 +91,21 @@ def test_own_role_on_its_component_and_own_loop_killed_and_preempted_train_as_th
     preempt_at = len(read_metrics(twice / "metrics.jsonl")) + 1
     wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= preempt_at, 300, f"{preempt_at} steps")
     preempt_and_finish(twice, job)
+    wait_until(lambda: job_finished(plain), 600, "the built-in loop's run")
+    records = read_metrics(once / "metrics.jsonl")
+    assert len(records) == STEPS, slurm_log(once)
+    components = json.loads((once / "allocation.json").read_text())["components"]
+    assert [(c["members"], c["partition"]) for c in components] == [
+        (["actor_rollout"], "a100"), (["reward"], "cpu"), (["rule_engine"], "cpu")]
+    assert components[1]["nodes"] != components[2]["nodes"]
+    for r in records:    # each term logged, the sample's score their weighted sum
+        assert r["reward/mean"] == pytest.approx(r["score/reward"] + 0.5 * r["score/rule_engine"], abs=1e-6)
+    # the role's own state_dict is its checkpoint file: one batch scored per step
+    state, _ = read_role_file(once / "ckpt" / f"step_{STEPS:08d}" / "rule_engine.h5")
+    assert state["role"] == {"batches": STEPS}
+    for term in ("score/reward", "score/rule_engine"):    # both go up (the run is seeded: not by chance)
+        assert sum(r[term] for r in records[-10:]) / 10 > sum(r[term] for r in records[:5]) / 5
+
     own = read_metrics(twice / "metrics.jsonl")
     assert [r["step"] for r in own] == list(range(1, STEPS + 1))
     assert [(r["reward/mean"], r["score/rule_engine"], r["actor/pg_loss"]) for r in own] == \

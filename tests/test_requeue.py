@@ -41,7 +41,7 @@ def assert_same_training(a, b, steps, roles=("actor_rollout", "critic"), metrics
 
 def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
     cfg = PPOConfig(total_steps=12, progress=False)
-    assert start_local_training(tmp_path / "once", cfg).wait(timeout=600) == 0
+    once = start_local_training(tmp_path / "once", cfg)      # the reference, at the same time
     proc = start_local_training(tmp_path / "twice", cfg)
     stop_after = random.Random().randint(2, 9)
     wait_until(lambda: len(read_metrics(tmp_path / "twice" / "metrics.jsonl")) >= stop_after, 300, "steps")
@@ -51,6 +51,7 @@ def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
     stopped = json.loads((ckpt / (ckpt / "LATEST").read_text().strip() / "MANIFEST.json").read_text())["step"]
     assert stop_after <= stopped < 12
     assert start_local_training(tmp_path / "twice", cfg).wait(timeout=600) == 0
+    assert once.wait(timeout=600) == 0
     assert_same_training(tmp_path / "once", tmp_path / "twice", 12)
 
 
@@ -70,7 +71,7 @@ def short_spec(tmp_path, name, job="tiny-cpu.yaml", **overrides):
 
 def time_limited_spec(tmp_path, max_restarts, minutes=2, lead=90):
     """A few minutes per run, Slurm's signal `lead` seconds before the end, more steps than fit."""
-    spec = short_spec(tmp_path, "limited", max_restarts=max_restarts, signal_lead=lead)
+    spec = short_spec(tmp_path, f"limited-{minutes}", max_restarts=max_restarts, signal_lead=lead)
     data = yaml.safe_load(spec.read_text())
     data["train"]["total_steps"] = 1000
     for role in data["roles"].values():
@@ -119,14 +120,29 @@ def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_
     assert plot_pixels_seen_by_chromium(twice / "report" / "index.html", tmp_path / "shot.png") > 5000
 
 
+@pytest.fixture(scope="module")
+def time_limited_jobs(slurm_cluster, tmp_path_factory):
+    """The two tests below wait on time limits, not on work: their jobs are submitted together, the
+    first time either test asks, and run side by side (each fits beside the other on the cluster).
+    sbatch: 2 min, signal_lead 90, max_restarts 1. submitit: 3 min, its USR2 60 s before the end
+    (sent to job steps, so only once the function's step runs), max_restarts 3."""
+    tmp = tmp_path_factory.mktemp("limited")
+    sbatch_run, submitit_run = tmp / "sbatch", tmp / "submitit"
+    jobs = {"sbatch": (submit(time_limited_spec(tmp, max_restarts=1), sbatch_run), sbatch_run)}
+    subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(time_limited_spec(tmp, max_restarts=3, minutes=3, lead=60)),
+                    "--via", "submitit", "--run-dir", str(submitit_run)], check=True, capture_output=True, cwd=ROOT)
+    jobs["submitit"] = (json.loads((submitit_run / "job.json").read_text())["job_id"], submitit_run)
+    yield jobs
+    for job, _ in jobs.values():
+        sh("scancel", job, check=False)
+
+
 @pytest.mark.slurm
-def test_time_limit_checkpoints_and_requeues_until_max_restarts(slurm_cluster, tmp_path):
+def test_time_limit_checkpoints_and_requeues_until_max_restarts(time_limited_jobs):
     """--time 2 min, signal_lead 90, max_restarts 1: the driver stops by its deadline (Slurm's end
     time minus the lead) or Slurm's USR1, the job requeues itself once, resumes, stops again, and
     then says it will not requeue a second time."""
-    spec = time_limited_spec(tmp_path, max_restarts=1)
-    run = tmp_path / "run"
-    job = submit(spec, run)
+    job, run = time_limited_jobs["sbatch"]
     wait_until(lambda: job_finished(job), 600, "two time-limited runs")
     log = slurm_log(run)
     assert log.count("checkpoint committed") == 2, log
@@ -138,15 +154,10 @@ def test_time_limit_checkpoints_and_requeues_until_max_restarts(slurm_cluster, t
 
 
 @pytest.mark.slurm
-def test_submitit_path_checkpoints_on_its_signal_and_resumes(slurm_cluster, tmp_path):
-    """--via submitit: submitit's USR2 (sent to job steps, so only once the function's step runs:
-    a 3 min limit with a 60 s lead) calls SubmititTraining.checkpoint(), which waits for the
+def test_submitit_path_checkpoints_on_its_signal_and_resumes(time_limited_jobs):
+    """--via submitit: submitit's USR2 calls SubmititTraining.checkpoint(), which waits for the
     step's committed checkpoint; submitit requeues; the driver resumes from it."""
-    spec = time_limited_spec(tmp_path, max_restarts=3, minutes=3, lead=60)
-    run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec), "--via", "submitit", "--run-dir", str(run)],
-                   check=True, capture_output=True, cwd=ROOT)
-    job = json.loads((run / "job.json").read_text())["job_id"]
+    job, run = time_limited_jobs["submitit"]
 
     def logs():
         return "".join(p.read_text(errors="replace") for p in run.rglob("*_log.*"))

@@ -78,16 +78,16 @@ def sweep_dir(tmp_path, slurm_cluster):
 
 def test_a_sweep_runs_every_combination_and_a_cancelled_run_resumes(sweep_dir):
     out = hpcrl("sweep", SPEC, "train.actor_lr=3e-4,1e-3", "train.seed=1,2", "train.total_steps=12",
-                "--max-running", "2", "--run-dir", str(sweep_dir))
+                "--max-running", "3", "--run-dir", str(sweep_dir))
     assert out.returncode == 0, out.stdout + out.stderr
     runs = json.loads((sweep_dir / "sweep.json").read_text())["runs"]
     names = ["actor_lr-3e-4_seed-1", "actor_lr-3e-4_seed-2", "actor_lr-1e-3_seed-1", "actor_lr-1e-3_seed-2"]
     assert [r["name"] for r in runs] == names
     jobs = [r["job_id"] for r in runs]
-    # at most two at once: the third and fourth wait for the first and second to end
-    assert [r["after"] for r in runs] == [None, None, jobs[0], jobs[1]]
-    third = job_records(jobs[2])[0]
-    assert third["JobState"] == "PENDING" and f"afterany:{jobs[0]}" in third["Dependency"], third
+    # at most three at once: the fourth waits for the first to end
+    assert [r["after"] for r in runs] == [None, None, None, jobs[0]]
+    fourth = job_records(jobs[3])[0]
+    assert fourth["JobState"] == "PENDING" and f"afterany:{jobs[0]}" in fourth["Dependency"], fourth
     for run, (lr, seed) in zip(runs, [(3e-4, 1), (3e-4, 2), (1e-3, 1), (1e-3, 2)]):
         train = yaml.safe_load((sweep_dir / run["name"] / "spec.yaml").read_text())["train"]
         assert (train["actor_lr"], train["seed"], train["total_steps"]) == (lr, seed, 12)
@@ -96,7 +96,7 @@ def test_a_sweep_runs_every_combination_and_a_cancelled_run_resumes(sweep_dir):
     first = sweep_dir / names[0]
     wait_until(lambda: read_metrics(first / "metrics.jsonl"), 400, "the first run's first step", poll=0.5)
     listing = hpcrl("ls", str(sweep_dir)).stdout
-    assert {names[0]: "RUNNING", names[2]: "PENDING"}.items() <= {
+    assert {names[0]: "RUNNING", names[3]: "PENDING"}.items() <= {
         line.split()[0]: line.split()[2] for line in listing.splitlines()[1:]}.items(), listing
     out = hpcrl("cancel", str(first))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -116,8 +116,8 @@ def test_a_sweep_runs_every_combination_and_a_cancelled_run_resumes(sweep_dir):
         p.read_text() for p in (first / "logs").glob("slurm-*.out"))
     assert [r["step"] for r in read_metrics(first / "metrics.jsonl")] == list(range(1, 13))
     wait_until(lambda: all(leader_state(j) == "COMPLETED" for j in jobs[1:]), 600, "the sweep's other runs", poll=2)
-    # the third started only once the first had ended (afterany)
-    assert job_records(jobs[2])[0]["StartTime"] >= job_records(jobs[0])[0]["EndTime"]
+    # the fourth started only once the first had ended (afterany)
+    assert job_records(jobs[3])[0]["StartTime"] >= job_records(jobs[0])[0]["EndTime"]
 
     status = hpcrl("sweep", "status", str(sweep_dir)).stdout
     rows = {line.split()[0]: line.split() for line in status.splitlines()[2:]}
