@@ -57,10 +57,9 @@ def events(run: Path) -> list[dict]:
 
 
 def joined_at(log: Path) -> float | None:
-    """When a satellite's node said it joined (its log's line is written just after)."""
-    if log.exists() and "joined run start" in log.read_text():
-        return log.stat().st_mtime
-    return None
+    """When a satellite's node said it joined (the date its log line begins with; whole seconds)."""
+    line = next((x for x in log.read_text().splitlines() if "joined run start" in x), None) if log.exists() else None
+    return datetime.strptime(line[:19], "%Y-%m-%d %H:%M:%S").timestamp() if line else None
 
 
 def main() -> int:
@@ -105,7 +104,7 @@ def main() -> int:
     result = {"cpus": os.cpu_count(), "samples_per_step": 64, "scorer_s_per_sample": 0.02,
               "scale_command_s": round(t_scaled - t_scale, 2),
               "satellites_running_s": [round(s - t_scale, 1) for s in starts],     # sacct: whole seconds
-              "satellites_joined_s": [round(j - t_scale, 2) for j in joins if j],
+              "satellites_joined_s": [round(j - t_scale, 1) for j in joins if j],      # whole seconds
               "resize_done_s": round(resize["time"] - t_scale, 2), "resize_s": resize["seconds"],
               "first_call_on_new_ranks_s": round(min(firsts) - t_scale, 2),
               "steps_on_1": len(one), "steps_on_3": len(three),

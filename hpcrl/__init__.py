@@ -7,6 +7,7 @@
     hpcrl.run(spec, run_dir="runs/here")         # hpcrl run --local
     hpcrl.sweep(spec, {"train.seed": [1, 2]}, max_running=1)   # hpcrl sweep
     hpcrl.cancel("runs/lr")                      # hpcrl cancel: a last checkpoint, no requeue
+    hpcrl.scale("runs/lr", {"reward": 3})        # hpcrl scale: satellite jobs grow a role while it trains
 
 Each takes the options of its command, as keyword arguments.
 
@@ -17,7 +18,8 @@ from hpcrl._version import __version__
 
 _API = {"JobSpec": "hpcrl.job", "SpecError": "hpcrl.job", "load_spec": "hpcrl.job",
         "submit": "hpcrl.launch.submit", "run": "hpcrl.launch.local", "sweep": "hpcrl.launch.sweep",
-        "cancel": "hpcrl.launch.cancel", "JobHandle": "hpcrl.slurm.submit", "connect": "hpcrl.raycluster",
+        "cancel": "hpcrl.launch.cancel", "scale": "hpcrl.launch.scale", "JobHandle": "hpcrl.slurm.submit",
+        "connect": "hpcrl.raycluster",
         # for your own roles and driver (README: "Add a role in three steps")
         "Worker": "hpcrl.controller", "register": "hpcrl.controller", "Dispatch": "hpcrl.controller",
         "Batch": "hpcrl.controller.batch", "RunContext": "hpcrl.ppo.context"}

@@ -174,6 +174,27 @@ def cmd_cancel(args) -> int:
     return 0
 
 
+def cmd_scale(args) -> int:
+    """More or fewer nodes for roles of a running run: satellite jobs (hpcrl/launch/scale.py)."""
+    from hpcrl.launch.scale import FLAGS, scale
+
+    targets = {}
+    for item in args.targets:
+        role, eq, n = item.partition("=")
+        if not eq or not n.isdigit():
+            print(f"error: {item!r}: write ROLE=N, e.g. reward=3 (N: the role's nodes in all)", file=sys.stderr)
+            return 2
+        targets[role] = int(n)
+    out = scale(_run_dir_of(args.target), targets, offline=args.offline, say=lambda text: print(text, flush=True),
+                **{k: getattr(args, k) for k in FLAGS})
+    for role, r in out.items():
+        print(f"{role}: {r['target']} node(s) asked = {r['component_nodes']} of its component + "
+              f"{len(r['satellites'])} satellite job(s) {' '.join(r['satellites'])}".rstrip())
+    if out:
+        print(f"the driver gives new nodes work from its next step on; hpcrl status {args.target} shows them")
+    return 0
+
+
 def cmd_ls(args) -> int:
     from pathlib import Path
 
@@ -345,6 +366,15 @@ OVERRIDES_HELP = """overrides: PATH=VALUE sets a field of the spec by its dotted
 The run's spec.yaml holds the merged spec (its `overridden:` lists them); hpcrl status shows them."""
 
 
+SCALE_HELP = """ROLE=N: the role's nodes in all, its hetjob component's plus satellites (one-node jobs of
+their own that join the run's Ray cluster); more submits satellites, fewer cancels them:
+  hpcrl scale runs/x reward=3                      two satellites on the reward role's partition
+  hpcrl scale runs/x reward=4 --partition a100     one more, on another partition
+  hpcrl scale runs/x reward=1                      back to the component alone
+Roles that scale: reward, ref, rollout, your own roles without state_dict. The targets hold for the
+whole run: each start of a requeued job asks for its satellites again."""
+
+
 SWEEP_HELP = """PATH=A,B,C is an axis; one hetjob per combination of the axes, in SWEEP_DIR/<name>/:
   hpcrl sweep job.yaml train.actor_lr=1e-6,3e-6 train.seed=1,2 --max-running 2
   hpcrl sweep status runs/sweep        hpcrl report runs/sweep        hpcrl ls runs/sweep
@@ -402,6 +432,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timeout", type=float, default=600, help="seconds to wait for the driver's checkpoint before "
                                                               "scancel (default 600)")
     c.set_defaults(fn=cmd_cancel)
+    c = sub.add_parser("scale", help="more or fewer nodes for a role while its run trains (satellite jobs)",
+                       epilog=SCALE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("target", help="run directory, or job id")
+    c.add_argument("targets", nargs="+", metavar="ROLE=N", help="the role's nodes in all, e.g. reward=3")
+    c.add_argument("--partition", help="the satellites' partition (default: the role's)")
+    c.add_argument("--time", help="their time limit (default: the role's)")
+    c.add_argument("--gres", help="their GRES per node, or none (default: the role's)")
+    c.add_argument("--cpus-per-task", type=int, help="their CPUs (default: the role's)")
+    c.add_argument("--mem", help="their memory per node (default: the role's)")
+    c.add_argument("--account", help="their account (default: the role's)")
+    c.add_argument("--qos", help="their QoS (default: the role's)")
+    c.add_argument("--constraint", help="their node features (default: the role's)")
+    c.add_argument("--offline", action="store_true", help="skip the live cluster check of the satellites' job")
+    c.set_defaults(fn=cmd_scale)
     c = sub.add_parser("ls", help="the runs under a folder: job, state, step, checkpoint, reward, held-out score")
     c.add_argument("dir", nargs="?", default="runs", help="a folder of runs, a sweep, or one run (default: runs)")
     c.set_defaults(fn=cmd_ls)

@@ -6,6 +6,8 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
     RUN_DIR/spec.yaml          the validated spec (the driver reads it back)
             job.sbatch         the rendered batch script
             job.json           the submitted job: id, via, component of each role
+            satellites.json    hpcrl scale: the nodes asked for each role, the satellite jobs submitted
+            satellite-<role>.sbatch   the batch script of the role's satellites
             allocation.json    the nodes of every component (written in the batch shell)
             stop               a signal the batch script noted before the driver ran
             cancel             `hpcrl cancel` asked for a last checkpoint and no requeue
@@ -13,7 +15,7 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
             events.jsonl       start, checkpoint, stop, finish, fail
             metrics.jsonl      one record per step
             ray/               token (0600), cluster.json, ready.<run id>, stop.<run id>, failed/<node>
-            logs/              slurm-<job id>.out, <role>/rank<k>.log, <role>/rank<k>.calls.jsonl
+            logs/              slurm-<job id>.out, satellite-<job id>.out, <role>/rank<k>.log, <role>/rank<k>.calls.jsonl
                                (each call a rank ran: method, step, start, end), ray/<node>.log
             ckpt/              the checkpoint store (its own layout: hpcrl/checkpoint/store.py)
             model/ prompts.jsonl   the built-in task's model and prompts, when the spec gives none
@@ -85,6 +87,14 @@ class RunDir:
     @property
     def submitit(self) -> Path:
         return self.root / "submitit"
+
+    # --- hpcrl scale
+    @property
+    def satellites(self) -> Path:
+        return self.root / "satellites.json"
+
+    def satellite_script(self, members: str) -> Path:
+        return self.root / f"satellite-{members}.sbatch"
 
     # --- written inside the job
     @property

@@ -1,5 +1,10 @@
-"""A slow scorer as a role of its own: jobs/rule_engine.py's rule, answered after `seconds` per
-batch, like a remote verifier (an API, a sandbox that runs the code) would be.
+"""Slow scorers, like a remote verifier (an API, a sandbox that runs the code) would be.
+
+`score`: the copy task's rule as the reward role's function, 20 ms a sample (batched), the scorer of
+jobs/tiny-cpu-elastic.yaml, whose reward role `hpcrl scale` grows: three ranks score a batch in a
+third of the time (`python bench/elastic.py` measures it).
+
+`SlowRuleEngine`: jobs/rule_engine.py's rule as a role of its own, answered after `seconds` per batch:
 
     roles:
       verifier: {partition: cpu, worker: hpcrl.jobs.slow_scorer:SlowRuleEngine, worker_args: {seconds: 5}}
@@ -15,6 +20,14 @@ import time
 
 import hpcrl
 from hpcrl.jobs.rule_engine import RuleEngineWorker
+from hpcrl.ppo.tasks.copy_digits import score as copy_score
+
+SECONDS_PER_SAMPLE = 0.02
+
+
+def score(prompts: list[str], responses: list[str], **_) -> list[float]:
+    time.sleep(SECONDS_PER_SAMPLE * len(prompts))
+    return [copy_score(p, r) for p, r in zip(prompts, responses)]
 
 
 class SlowRuleEngine(RuleEngineWorker):

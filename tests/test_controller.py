@@ -247,7 +247,8 @@ pool = ResourcePool.for_role("a", max_colocate_count=2)
 fused = WorkerGroup.colocated(pool, {"a": (Idle, (), {}), "b": (Idle, (), {})})
 print("gpus of the colocated ranks:", sorted(map(tuple, fused["a"]._hosts.gpu_ids)))
 try:
-    ResourcePool.for_role("c").placement_group(timeout_s=5)
+    pool = ResourcePool.for_role("c")
+    pool.placement_groups(pool.nodes, timeout_s=5)
     print("a GPU process of role c was placed")
 except ResourcePoolError as e:
     print("refused:", e)
@@ -261,4 +262,4 @@ def test_colocated_processes_hold_whole_gpus():
     it room on "the rest" of both GPUs)."""
     out = subprocess.run([sys.executable, "-c", GPU_NODE], capture_output=True, text=True, timeout=300)
     assert "gpus of the colocated ranks: [('0',), ('1',)]" in out.stdout, out.stdout + out.stderr
-    assert "refused: role 'c': 2 processes of {'CPU': " in out.stdout and "'GPU': 1}" in out.stdout, out.stdout
+    assert "refused: role 'c': 2 processes of {'CPU': " in out.stdout and "'GPU': 1} per node" in out.stdout, out.stdout

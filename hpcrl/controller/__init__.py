@@ -2,7 +2,7 @@
 from hpcrl.controller.dispatch import Dispatch, DispatchMode, register, register_dispatch
 from hpcrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hpcrl.controller.worker import Worker, local_worker
-from hpcrl.controller.worker_group import GroupFuture, RoleRestartLimit, WorkerGroup
+from hpcrl.controller.worker_group import GroupFuture, RoleRestartLimit, WorkerGroup, follow_nodes
 
 __all__ = ["Dispatch", "DispatchMode", "register", "register_dispatch", "ResourcePool", "ResourcePoolError",
-           "Worker", "local_worker", "WorkerGroup", "GroupFuture", "RoleRestartLimit"]
+           "Worker", "local_worker", "WorkerGroup", "GroupFuture", "RoleRestartLimit", "follow_nodes"]

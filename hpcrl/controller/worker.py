@@ -13,7 +13,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -33,6 +33,11 @@ class WorkerContext:
 class Worker:
     """Subclass it, decorate methods with `@register(dispatch=...)`, hand the class to a WorkerGroup."""
     _ctx: WorkerContext
+    elastic = False
+    """True: ranks may be added and removed while the run goes on (`hpcrl scale`), because a new rank
+    built from the class's __init__ (and the group's restore hooks) is as good as any other: no
+    trained state of its own. Such a worker reads self.rank and self.world_size when it needs them,
+    never keeps them: they change when the group is resized."""
 
     @property
     def role(self) -> str:
@@ -106,32 +111,54 @@ class WorkerHost:
         role's Worker. gpu_ids is given to a standby process taking over a dead rank's GPUs."""
         import ray
 
-        self.rank = rank
-        if self.log_dir:
-            for role in self.roles:
-                path = rank_log(self.log_dir, role, rank)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self.files[role] = open(path, "a", buffering=1)
-                self.calls[role] = open(rank_calls(self.log_dir, role, rank), "a", buffering=1)
-            sys.stdout, sys.stderr = RoleLog(self, sys.__stdout__), RoleLog(self, sys.__stderr__)
         if gpu_ids is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))   # before CUDA is first touched
         torch.set_num_threads(max(1, num_threads))
         # trainer and sampler share the GPU, with activations of changing shapes: growable segments
         # instead of fixed blocks keep fragmentation (and allocator retries) down
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        gpu = torch.cuda.is_available()
-        device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
-        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        self._join(rank, world_size, master, timeout_s)
         for role, (cls, args, kwargs) in workers.items():
             self.current = role
-            print(f"rank {rank} of {world_size} on node {ray.util.get_node_ip_address()}, pid {os.getpid()}, {device}")
+            print(f"rank {rank} of {world_size} on node {ray.util.get_node_ip_address()}, pid {os.getpid()}, {self.device}")
             worker = cls.__new__(cls)
-            worker._ctx = WorkerContext(role, rank, world_size, device)
+            worker._ctx = WorkerContext(role, rank, world_size, self.device)
             worker.__init__(*args, **kwargs)
             self.workers[role] = worker
         return os.getpid(), [str(g) for g in ray.get_gpu_ids()] if gpu_ids is None else gpu_ids
+
+    def regroup(self, rank: int, world_size: int, master: tuple[str, int], timeout_s: float) -> tuple[int, list]:
+        """Keep the roles' workers, take rank `rank` of a resized group (an elastic role): a new
+        torch.distributed group, and the logs of the new rank."""
+        import ray
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._join(rank, world_size, master, timeout_s)
+        for role, worker in self.workers.items():
+            self.current = role
+            worker._ctx = replace(worker._ctx, rank=rank, world_size=world_size)
+            print(f"rank {rank} of {world_size} now (the group was resized)")
+        return os.getpid(), [str(g) for g in ray.get_gpu_ids()]
+
+    def _join(self, rank: int, world_size: int, master: tuple[str, int], timeout_s: float) -> None:
+        """This rank's log files, and its place in the group's torch.distributed group."""
+        self.rank = rank
+        if self.log_dir:
+            for files in (self.files, self.calls):
+                for f in files.values():
+                    f.close()
+            for role in self.roles:
+                path = rank_log(self.log_dir, role, rank)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.files[role] = open(path, "a", buffering=1)
+                self.calls[role] = open(rank_calls(self.log_dir, role, rank), "a", buffering=1)
+            if not isinstance(sys.stdout, RoleLog):
+                sys.stdout, sys.stderr = RoleLog(self, sys.__stdout__), RoleLog(self, sys.__stderr__)
+        gpu = torch.cuda.is_available()
+        self.device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
+        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
     def execute(self, role: str, method: str, /, *args, **kwargs):
         self.current, start = role, time.time()

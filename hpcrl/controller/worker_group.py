@@ -14,20 +14,27 @@ hooks (a role's checkpoint, or nothing: the workers start from their init), and 
 in other groups are untouched. More than `restart_limit` rebuilds in an hour fail the run.
 With `standby=True` every rank has an idle process beside it (torch imported, nothing reserved)
 that takes its place, so a rebuild pays no process start and no torch import.
+
+An elastic group (a role whose worker class sets `elastic = True`: frozen scorers, the rollout)
+follows its nodes: `follow_nodes()` at a step boundary gives ranks to nodes that joined (a
+satellite job of `hpcrl scale`) and drops those of nodes that left, and a call that loses a rank
+because its satellite node left shrinks the group and calls again, instead of a rebuild. Ranks
+that stay keep their processes; the next call's data is split over the new world size.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from hpcrl.controller.dispatch import DispatchMode, registered_methods
-from hpcrl.controller.resource_pool import ResourcePool
+from hpcrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hpcrl.controller.worker import WorkerHost
 
 log = logging.getLogger("hpcrl.controller")
@@ -54,41 +61,75 @@ class _HostSet:
         self.restarts_total, self.state, self.last_error = 0, "starting", None
         self.restore_hooks: list[Callable[[], None]] = []
         self.listeners: list[Callable[[], None]] = []   # told when state or last_error changes
-        self.pg = pool.placement_group(len(workers))
+        self.resize_listeners: list[Callable[[dict], None]] = []   # told what each resize did
+        self.pgs = pool.placement_groups(pool.nodes, len(workers))
         self.keep_standby = standby
         self.retired: set[str] = set()   # actor ids replaced by a rebuild: errors from them are old news
-        self._start(self._hosts(standby=False))
+        self.unplaceable: set[str] = set()   # nodes that joined but could not take the group's processes
+        self._form([self._host(r) for r in range(pool.world_size)], fresh=set(range(pool.world_size)))
         self._set_state("alive")
+
+    @property
+    def elastic(self) -> bool:
+        """Ranks may join and leave between calls: one role whose worker class says so (no state of
+        its own beyond its __init__ and the group's restore hooks)."""
+        return len(self.workers) == 1 and all(getattr(cls, "elastic", False) for cls, _, _ in self.workers.values())
 
     def _set_state(self, state: str, error: str | None = None) -> None:
         self.state, self.last_error = state, error or self.last_error
         for listener in self.listeners:
             listener()
 
-    def _hosts(self, standby: bool) -> list:
-        """New idle host processes, one per rank: in the rank's bundle, or (standby) beside it on
-        its node reserving nothing until it takes the rank over."""
-        host = ray.remote(WorkerHost)
-        bundle, n, ppn = self.pool.bundle(len(self.workers)), self.pool.world_size, self.pool.processes_per_node
-        return [host.options(
-            max_restarts=0, **({"num_cpus": 0, "resources": {f"node:{self.pool.node_ips[r // ppn]}": 0.0001}} if standby else {
-                "num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)}),
-        ).remote(list(self.workers), self.log_dir) for r in range(n)]
+    def _host(self, rank: int, standby: bool = False):
+        """A new idle host process for `rank`: in the rank's bundle, or (standby) beside it on its
+        node reserving nothing until it takes the rank over."""
+        node, bundle = self.pool.node_of(rank), self.pool.bundle(len(self.workers))
+        place = ({"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node.node_id, soft=False)}
+                 if standby else
+                 {"num_cpus": bundle["CPU"], "num_gpus": bundle.get("GPU", 0),
+                  "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                      self.pgs[node.node_id], placement_group_bundle_index=rank % self.pool.processes_per_node)})
+        return ray.remote(WorkerHost).options(max_restarts=0, **place).remote(list(self.workers), self.log_dir)
 
-    def _start(self, hosts: list, gpu_ids: list | None = None) -> None:
+    def _form(self, hosts: list, fresh: set[int], gpu_ids: list | None = None) -> None:
+        """Make `hosts` the group, rank = position: the `fresh` ones build the roles' workers, the
+        others (kept through a resize) join the new torch.distributed group as they are."""
         n, threads = len(hosts), int(self.pool.bundle(len(self.workers))["CPU"])
         master = ray.get(hosts[0].rendezvous.remote())
         done = ray.get([h.setup.remote(r, n, master, self.workers, threads, gpu_ids[r] if gpu_ids else None,
-                                       self.dist_timeout_s) for r, h in enumerate(hosts)])
+                                       self.dist_timeout_s) if r in fresh else
+                        h.regroup.remote(r, n, master, self.dist_timeout_s) for r, h in enumerate(hosts)])
         self.actors, self.pids, self.gpu_ids = hosts, [d[0] for d in done], [d[1] for d in done]
-        self.standby = self._hosts(standby=True) if self.keep_standby else []
+        self._replace_standby()
+
+    def _replace_standby(self) -> None:
+        for a in getattr(self, "standby", []):
+            ray.kill(a, no_restart=True)
+        self.standby = [self._host(r, standby=True) for r in range(len(self.actors))] if self.keep_standby else []
 
     def owns(self, actor_id: str | None) -> int | None:
         for rank, a in enumerate(self.actors):
             if actor_id and a._actor_id.hex() == actor_id:
                 return rank
         return None
+
+    def _retire(self, actors: list) -> None:
+        for a in actors:
+            self.retired.add(a._actor_id.hex())
+            ray.kill(a, no_restart=True)
+
+    def lost(self, rank: int, method: str, reason: str) -> None:
+        """Rank `rank` died during `method`. A satellite's rank whose node has left shrinks an elastic
+        group (the run goes on without that node); any other death rebuilds the group in place."""
+        node = self.pool.node_of(rank)
+        if self.elastic and node.leaves and _node_gone(node.node_id):
+            time.sleep(1.0)    # satellites cancelled together leave together: take them all at once
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            gone = [n for n in self.pool.nodes if n.node_id not in alive]
+            self.resize(replace(self.pool, nodes=[n for n in self.pool.nodes if n.node_id in alive]),
+                        "; ".join(f"{n.origin} left ({n.name})" for n in gone) + f" during {method}")
+        else:
+            self.rebuild(f"rank {rank} died during {method}: {reason}")
 
     def rebuild(self, why: str) -> None:
         now = time.monotonic()
@@ -103,22 +144,80 @@ class _HostSet:
         log.warning("role %s: %s; rebuilding it (restart %d of %d allowed per hour)",
                     self.name, why, len(self.restarts), self.restart_limit)
         t0 = time.monotonic()
-        for a in self.actors:
-            self.retired.add(a._actor_id.hex())
-            ray.kill(a, no_restart=True)
+        self._retire(self.actors)
+        ranks = set(range(len(self.actors)))
         if self.standby:
-            self._start(self.standby, self.gpu_ids)
+            hosts, self.standby = self.standby, []
+            self._form(hosts, ranks, self.gpu_ids)
         else:
-            self._start(self._hosts(standby=False))
+            self._form([self._host(r) for r in ranks], ranks)
         for hook in self.restore_hooks:
             hook()
         self._set_state("alive")
         log.warning("role %s: rebuilt in %.2f s", self.name, time.monotonic() - t0)
 
+    def resize(self, pool: ResourcePool, why: str) -> dict:
+        """The group on the nodes of `pool`: ranks on nodes that left end, nodes that joined get new
+        ranks (built from the roles' __init__, then the restore hooks run on the whole group), the
+        others keep their processes and state; ranks are laid out node by node again."""
+        if pool.processes_per_node != self.pool.processes_per_node:
+            raise ResourcePoolError(f"role {self.name}: {pool.processes_per_node} processes per node on the new nodes, "
+                                    f"{self.pool.processes_per_node} on the group's (GPUs per node differ)")
+        t0, before = time.monotonic(), len(self.actors)
+        ranks_of: dict[str, list] = {}
+        for r, a in enumerate(self.actors):
+            ranks_of.setdefault(self.pool.node_of(r).node_id, []).append(a)
+        staying = {n.node_id for n in pool.nodes}
+        joining = [n for n in pool.nodes if n.node_id not in ranks_of]
+        # a node that cannot take its processes soon is refused, and the group stays as it was
+        self.pgs.update(pool.placement_groups(joining, len(self.workers), timeout_s=30) if joining else {})
+        self._set_state("resizing")
+        for node in self.pool.nodes:
+            if node.node_id not in staying:
+                self._retire(ranks_of.pop(node.node_id))
+                ray.util.remove_placement_group(self.pgs.pop(node.node_id))
+        self.pool, hosts, fresh = pool, [], set()
+        for node in pool.nodes:
+            for kept in ranks_of.get(node.node_id) or [None] * pool.processes_per_node:
+                if kept is None:
+                    fresh.add(len(hosts))
+                hosts.append(kept or self._host(len(hosts)))
+        self._form(hosts, fresh)
+        for hook in self.restore_hooks:
+            hook()
+        info = {"from": before, "to": len(hosts), "why": why, "seconds": round(time.monotonic() - t0, 2),
+                "nodes": [f"{n.name} ({n.origin})" for n in pool.nodes]}
+        self._set_state("alive")
+        log.info("role %s: %s; %d -> %d ranks in %.2f s", self.name, why, before, len(hosts), info["seconds"])
+        for listener in self.resize_listeners:
+            listener(info)
+        return info
+
     def shutdown(self) -> None:
         for a in self.actors + self.standby:
             ray.kill(a, no_restart=True)
-        ray.util.remove_placement_group(self.pg)
+        for pg in self.pgs.values():
+            ray.util.remove_placement_group(pg)
+
+
+def follow_nodes(groups) -> None:
+    """Every elastic group among `groups` follows its nodes, from one look at the cluster."""
+    elastic = [wg for wg in groups if wg.elastic]
+    if elastic:
+        nodes = ray.nodes()
+        for wg in elastic:
+            wg.follow_nodes(nodes)
+
+
+def _node_gone(node_id: str, timeout_s: float = 30.0) -> bool:
+    """Whether a node whose process just died has left the Ray cluster: a node that stops says so
+    at once, a lost one after Ray's health checks give up on it (within the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 class WorkerGroup:
@@ -144,6 +243,34 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self._hosts.actors)
 
+    @property
+    def elastic(self) -> bool:
+        """Whether ranks may join and leave while the run goes on (the worker class's `elastic`)."""
+        return self._hosts.elastic
+
+    def follow_nodes(self, ray_nodes: list[dict] | None = None) -> dict | None:
+        """An elastic group, resized to the nodes that carry its role now (a satellite joined or
+        left); what changed (hosts.resize's record), or None when nothing did. A node whose
+        processes cannot be placed is left out (ResourcePoolError says so) until it leaves."""
+        h = self._hosts
+        pool = ResourcePool.for_role(h.pool.role, h.pool.processes_per_node, h.pool.max_colocate_count, ray_nodes)
+        pool.nodes = [n for n in pool.nodes if n.node_id not in h.unplaceable]
+        before, now = {n.node_id: n for n in h.pool.nodes}, {n.node_id: n for n in pool.nodes}
+        if before.keys() == now.keys():
+            return None
+        joined = [n for i, n in now.items() if i not in before]
+        why = "; ".join([f"{n.origin} joined ({n.name})" for n in joined] +
+                        [f"{n.origin} left ({n.name})" for i, n in before.items() if i not in now])
+        try:
+            return h.resize(pool, why)
+        except ResourcePoolError:
+            h.unplaceable.update(n.node_id for n in joined)
+            raise
+
+    def on_resize(self, listener: Callable[[dict], None]) -> None:
+        """Call listener with what each resize did: from, to (world sizes), why, seconds, nodes."""
+        self._hosts.resize_listeners.append(listener)
+
     def shares_processes_with(self, other: WorkerGroup) -> bool:
         """Colocated with `other`: their calls run one after the other in the same processes."""
         return self._hosts is other._hosts
@@ -162,10 +289,10 @@ class WorkerGroup:
     def describe(self) -> dict:
         """Where the ranks run and how the group fares, from what the driver already knows (no Ray call)."""
         h = self._hosts
-        ppn = h.pool.processes_per_node
         return {"world_size": self.world_size, "state": h.state, "restarts": h.restarts_total,
-                "last_error": h.last_error, "process": h.name,
-                "ranks": [{"rank": r, "node_ip": h.pool.node_ips[r // ppn], "pid": pid} for r, pid in enumerate(h.pids)]}
+                "last_error": h.last_error, "process": h.name, "elastic": h.elastic,
+                "ranks": [{"rank": r, "node_ip": h.pool.node_of(r).ip, "node": h.pool.node_of(r).name,
+                           "origin": h.pool.node_of(r).origin, "pid": pid} for r, pid in enumerate(h.pids)]}
 
     def shutdown(self) -> None:
         self._hosts.shutdown()
@@ -215,7 +342,7 @@ class GroupFuture:
         hosts = self.method.wg._hosts
         rank = hosts.owns(error.actor_id)
         if rank is not None:
-            hosts.rebuild(f"rank {rank} died during {self.method.name}: {_reason(error)}")
+            hosts.lost(rank, self.method.name, _reason(error))
         elif error.actor_id not in hosts.retired and not self._recover_inputs(error):
             raise error
         self.refs = self.method.issue(self.args, self.kwargs)

@@ -43,11 +43,29 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
         start_local(list(spec.roles), run_dir=paths.root, num_cpus=num_cpus)
     else:
         connect(paths.root)
+        _ask_for_satellites(paths)
     try:
         return train(cfg, paths.root, stop=stop or StopRequest(cancel_file=paths.cancel),
                      metrics=spec.metrics.model_dump(), own=own, driver=driver)
     finally:
         ray.shutdown()
+
+
+def _ask_for_satellites(paths: RunDir) -> None:
+    """The satellites `hpcrl scale` asked for, submitted again for this start of the job (the last
+    start's ended with it); a failure is said, and the run goes on with the nodes it has."""
+    if not paths.satellites.exists():
+        return
+    from hpcrl.launch.scale import reconcile
+    from hpcrl.slurm.cluster_info import SlurmCommandError
+    from hpcrl.slurm.submit import SubmitError
+
+    def say(text: str) -> None:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}", flush=True)
+    try:
+        reconcile(paths.root, say)
+    except (SlurmCommandError, SubmitError, SpecError) as e:
+        say(f"the satellites of hpcrl scale were not asked for again: {e}")
 
 
 def write_local_spec(run_dir: str | Path, train: dict, name: str = "local") -> Path:

@@ -66,9 +66,9 @@ def elastic_problem(spec: JobSpec, role: str) -> str | None:
 
 def satellite_job(spec: JobSpec, role: str, options: dict) -> HetJob:
     """The one-node job of a satellite of `role`: its component's resources per node, `options` over them."""
-    from hpcrl.launch.submit import hetjob_of
+    import sys
 
-    job = hetjob_of(spec)
+    job = spec.to_hetjob(python=sys.executable)     # the job's interpreter, as `hpcrl submit` gives it
     c = next(c for c in job.components if role in c.members)
     c = replace(c, nodes=1, members=[role], **{FLAGS[k][0]: FLAGS[k][1](v) for k, v in options.items()})
     return replace(job, name=f"{spec.name}-{role}-satellite", components=[c], driver="")

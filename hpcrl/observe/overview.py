@@ -8,7 +8,7 @@ import time
 import yaml
 
 from hpcrl.checkpoint.store import CheckpointStore
-from hpcrl.observe.status import read_status
+from hpcrl.observe.status import read_events, read_status
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.cluster_info import SlurmCommandError
 from hpcrl.slurm.submit import SubmitError, component_states
@@ -58,8 +58,25 @@ def gather_status(run_dir) -> dict:
     names = {n["addr"]: n["name"] for n in (cluster or {}).get("nodes", [])}
     for role in ((out["run"] or {}).get("roles") or {}).values():
         for r in role["ranks"]:
-            r["node"] = names.get(r["node_ip"], r["node_ip"])
+            r.setdefault("node", names.get(r["node_ip"], r["node_ip"]))
+    out["satellites"] = _satellites(paths)
+    out["resizes"] = [e for e in read_events(paths.root) if e["event"] in ("resize", "resize_failed")]
     return out
+
+
+def _satellites(paths: RunDir) -> dict | None:
+    """hpcrl scale's targets and satellite jobs, each with its Slurm state (ended: left the queue)."""
+    from hpcrl.slurm import satellite
+
+    if not paths.satellites.exists():
+        return None
+    record = satellite.read_record(paths.root)
+    try:
+        live, error = satellite.live_states([j["job_id"] for j in record["jobs"]]), None
+    except SlurmCommandError as e:
+        live, error = {}, str(e).splitlines()[0]
+    return {"targets": {r: t["nodes"] for r, t in record["targets"].items()}, "slurm_error": error,
+            "jobs": [{**j, "state": "?" if error else live.get(j["job_id"], "ended")} for j in record["jobs"]]}
 
 
 def _age(t) -> str:
@@ -91,12 +108,22 @@ def format_status(st: dict) -> str:
         if run.get("error"):
             lines.append(f"  error: {run['error']}")
         for name, role in run["roles"].items():
-            ranks = " ".join(f"rank{r['rank']}@{r['node']}(pid {r['pid']})" for r in role["ranks"])
+            ranks = " ".join(f"rank{r['rank']}@{r['node']}({r.get('origin', 'component')}, pid {r['pid']})"
+                             for r in role["ranks"])
             lines.append(f"  {name:16s} {role['state']:10s} restarts {role['restarts']}  {ranks}")
             if role.get("last_error"):
                 lines.append(f"  {'':16s} last error: {role['last_error']}")
     else:
         lines.append("run: no driver status (not started yet, or the spec has no train: section)")
+    sat = st.get("satellites")
+    if sat:
+        lines.append("satellites (hpcrl scale): " + "; ".join(f"{role} {n} node(s) asked" for role, n in sat["targets"].items())
+                     + (f"; {sat['slurm_error']}" if sat["slurm_error"] else ""))
+        for j in sat["jobs"]:
+            lines.append(f"  job {j['job_id']:8s} {j['members']:16s} {j['state']:10s} for run start {j['run_id']}")
+    for e in st.get("resizes") or []:
+        lines.append(f"resize at step {e['step']}: {e['role']} {e['from']} -> {e['to']} ranks ({e['why']})"
+                     if e["event"] == "resize" else f"resize failed at step {e['step']}: {e['error']}")
     val = (run or {}).get("validation")
     if val:
         sources = [f"{k.removeprefix('val/score/')} {v:.3f}" for k, v in val.items() if k.startswith("val/score/")]

@@ -5,7 +5,8 @@ Reads only files: metrics.jsonl (one record per step, continuous across requeues
 run truncates to its checkpoint), events.jsonl (starts, checkpoints), spec.yaml, allocation.json,
 and the roles' calls (logs/<role>/rank0.calls.jsonl) for the timeline: one lane per role on a time
 axis over the last steps, where a pipelined run's overlap shows. Works on a running, finished or
-requeued run. Restarts are dashed vertical lines on every curve.
+requeued run. Restarts are dashed vertical lines on every curve, and a role's resizes (hpcrl scale)
+dotted ones labelled with the role and its new world size.
 """
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def restarts(events: list[dict]) -> list[int]:
     return [e["step"] for e in starts[1:]]
 
 
+def resizes(events: list[dict]) -> list[tuple[int, str]]:
+    """(the step after which a role was resized, "role from→to")."""
+    return [(e["step"], f"{e['role']} {e['from']}→{e['to']}") for e in events if e["event"] == "resize"]
+
+
 TWIN = {"kl_coef"}   # plotted on a right-hand axis of its own scale
 
 
@@ -58,7 +64,7 @@ def expand(series, records) -> list[tuple[str, str]]:
     return out
 
 
-def _plot_curves(ax, records, series, restart_steps):
+def _plot_curves(ax, records, series, restart_steps, resized=()):
     lines = []
     for i, (key, label) in enumerate(expand(series, records)):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
@@ -74,6 +80,10 @@ def _plot_curves(ax, records, series, restart_steps):
         ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
     for s in restart_steps:
         ax.axvline(s + 0.5, color="0.4", linestyle="--", linewidth=0.9)
+    for s, what in resized:
+        ax.axvline(s + 0.5, color="C3", linestyle=":", linewidth=1.0)
+        ax.annotate(what, (s + 0.5, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color="C3", rotation=90,
+                    ha="right", va="top")
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
 
@@ -131,7 +141,7 @@ def write_report(run_dir: Path) -> Path:
         if not any(r.get(key) is not None for r in records for key, _ in expand(series, records)):
             continue
         fig, ax = plt.subplots(figsize=(7, 3.6))
-        _plot_curves(ax, records, series, restart_steps)
+        _plot_curves(ax, records, series, restart_steps, resizes(events))
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         fig.tight_layout()
@@ -247,6 +257,8 @@ def _html(run_dir, records, events, restart_steps, figures) -> str:
              ("state", f"{status.get('state', '?')}, step {last['step']} of {status.get('total_steps', '?')}"),
              ("restarts", f"{len(restart_steps)}" + (f" (resumed at steps {', '.join(map(str, restart_steps))})" if restart_steps else "")),
              ("checkpoints", f"{len(ckpts)}" + (f", last at step {ckpts[-1]['step']}" if ckpts else "")),
+             *([("resizes (hpcrl scale)", ", ".join(f"{what} after step {s}" for s, what in resizes(events)))]
+               if resizes(events) else []),
              *_trend("reward", [r for r in records if "reward/mean" in r], "reward/mean"),
              *_trend("held-out score", [r for r in records if "val/score" in r], "val/score"),
              ("written", time.strftime("%Y-%m-%d %H:%M:%S"))]

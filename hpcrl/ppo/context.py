@@ -29,7 +29,7 @@ import torch
 
 from hpcrl.checkpoint.commit import RoleCheckpoints
 from hpcrl.checkpoint.store import CheckpointStore
-from hpcrl.controller import WorkerGroup
+from hpcrl.controller import ResourcePoolError, WorkerGroup, follow_nodes
 from hpcrl.controller.batch import Batch
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.observe.metrics import MetricsLog
@@ -138,6 +138,8 @@ class RunContext:
         for role, wg in self.groups.items():
             if role != "rollout":
                 wg.on_change(self._rebuild_listener(role))
+            if wg.elastic:
+                wg.on_resize(self._resize_listener(role))
 
     def scored(self, generated) -> Batch:
         """The generated batch (a future of generate_sequences, or a Batch) with every term of
@@ -180,12 +182,25 @@ class RunContext:
     def end_step(self, step: int, state: dict | None = None, inflight: Callable[[], list] = list) -> str | None:
         """After each step: the checkpoint train: asks for (every save_every steps, in the
         background with async_save; after the last step with save_last) and the one a stop request
-        asks for, then the stop. Returns why to stop now (return it from the driver), or None.
-        `inflight()`: the batches made ahead of `step`, collected only when a checkpoint is taken."""
+        asks for, then the stop; else the elastic roles follow their nodes (follow_nodes). Returns
+        why to stop now (return it from the driver), or None. `inflight()`: the batches made ahead
+        of `step`, collected only when a checkpoint is taken."""
         cfg, reason = self.cfg, self.stop.check()
         if reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0):
             self.checkpoint(step, state, background=not reason and step < cfg.total_steps, inflight=inflight())
-        return self.stopped(step, reason) if reason else None
+        if reason:
+            return self.stopped(step, reason)
+        self.follow_nodes()
+        return None
+
+    def follow_nodes(self) -> None:
+        """The elastic roles (reward, ref, rollout, your own stateless roles) take the nodes that
+        joined since the last step and drop those that left (`hpcrl scale`); end_step calls it."""
+        try:
+            follow_nodes(self.groups.values())
+        except ResourcePoolError as e:
+            print(f"{now()} {e}; the role goes on with the nodes it has", flush=True)
+            self.status.event("resize_failed", step=self.status.doc["step"], error=str(e))
 
     def stopped(self, step: int, reason: str) -> str:
         """After the checkpoint of `step`, taken because stop.check() gave `reason`: the run stops
@@ -227,6 +242,14 @@ class RunContext:
                 self.status.event("rebuilt", role=role, step=self.status.doc["step"])
             was[0] = state
         return changed
+
+    def _resize_listener(self, role: str) -> Callable[[dict], None]:
+        """Says in events.jsonl and the log when an elastic role took or lost nodes."""
+        def resized(info: dict) -> None:
+            self.status.event("resize", role=role, step=self.status.doc["step"], **info)
+            print(f"{now()} role {role}: {info['why']}: {info['from']} -> {info['to']} ranks "
+                  f"({info['seconds']:.2f} s)", flush=True)
+        return resized
 
     def _committed(self, step: int, nbytes: int, seconds: float) -> None:
         self.status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))

@@ -70,20 +70,28 @@ def prepare_inputs(cfg: PPOConfig, run_dir: Path) -> tuple[Path, Path]:
     return model_dir, prompts
 
 
+def worker_classes(cfg: PPOConfig, own: dict[str, tuple[str, dict]] | None = None) -> dict[str, type]:
+    """Role -> its worker class: the built-in roles cfg runs, then your own (`own`: role ->
+    (worker class path, its __init__ keyword arguments), checked)."""
+    builtin = {"actor_rollout": ActorRollout, "rollout": Rollout, "critic": Critic, "ref": Reference,
+               "reward": RewardModel if cfg.reward_model_dir else RuleReward}
+    return {**{r: c for r, c in builtin.items() if r in cfg.roles()},
+            **{r: checkpointed(worker_class(path, kwargs)) for r, (path, kwargs) in (own or {}).items()}}
+
+
 def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path,
                         own: dict[str, tuple[str, dict]] | None = None) -> dict[str, WorkerGroup]:
     """One WorkerGroup per role, on the nodes labelled with that role; colocated roles share
     processes. `own`: your own roles, role -> (worker class path, its __init__ keyword arguments)."""
     paths = RunDir(run_dir)
     conf = dataclasses.asdict(cfg) | {"cache_dir": str(Path(cfg.cache_dir or paths.cache).absolute())}
-    workers = {"actor_rollout": (ActorRollout, (str(model_dir), conf), {}),
-               "rollout": (Rollout, (str(model_dir), conf), {}),
-               "critic": (Critic, (str(model_dir), conf), {}),
-               "ref": (Reference, (str(model_dir), conf), {}),
-               "reward": ((RewardModel, (cfg.reward_model_dir,), {}) if cfg.reward_model_dir
-                          else (RuleReward, (str(model_dir), cfg.reward_function(), cfg.reward_batched), {}))}
-    workers = {r: w for r, w in workers.items() if r in cfg.roles()}
-    workers.update({r: (checkpointed(worker_class(path, kwargs)), (), dict(kwargs)) for r, (path, kwargs) in (own or {}).items()})
+    builtin_args = {"actor_rollout": (str(model_dir), conf), "rollout": (str(model_dir), conf),
+                    "critic": (str(model_dir), conf), "ref": (str(model_dir), conf),
+                    "reward": (cfg.reward_model_dir,) if cfg.reward_model_dir else
+                    (str(model_dir), cfg.reward_function(), cfg.reward_batched)}
+    own = own or {}
+    workers = {r: (cls, () if r in own else builtin_args[r], dict(own[r][1]) if r in own else {})
+               for r, cls in worker_classes(cfg, own).items()}
     opts = {"log_dir": paths.logs, "restart_limit": cfg.restart_limit, "standby": cfg.standby}
 
     def colocated(together: list[str]) -> dict[str, WorkerGroup]:

@@ -1,4 +1,5 @@
-"""python -m hpcrl.raycluster prepare|node|wait|stop RUN_DIR  (steps of the batch script).
+"""python -m hpcrl.raycluster prepare|node|wait|stop RUN_DIR  (steps of the batch script)
+   python -m hpcrl.raycluster satellite RUN_DIR ROLE RUN_ID  (the step of a satellite job: hpcrl scale)
 
 prepare prints the bootstrap it chose (mpi or poll) on stdout, for the script to start the node step
 accordingly; the job's bootstrap and srun --mpi plugin select it (hpcrl.job_env.JobEnv)."""
@@ -7,11 +8,13 @@ import time
 from pathlib import Path
 
 from hpcrl.job_env import JobEnv
-from hpcrl.raycluster.node import run_node
+from hpcrl.raycluster.node import run_node, run_satellite
 from hpcrl.raycluster.session import prepare, request_stop, wait_ready
 
 
 def main(argv: list[str]) -> int:
+    if len(argv) == 4 and argv[0] == "satellite":
+        return run_satellite(Path(argv[1]), argv[2], argv[3])
     if len(argv) != 2 or argv[0] not in ("prepare", "node", "wait", "stop"):
         print(__doc__, file=sys.stderr)
         return 2

@@ -1,4 +1,6 @@
-"""One Ray node, run as the one task of a Slurm step on its node, until the job says stop.
+"""One Ray node, run as the one task of a Slurm step on its node, until the job says stop: a node of
+the job's own components (`run_node`), or a satellite's (`run_satellite`: a job of its own that
+joins the run for one role, hpcrl scale).
 
 The task starts `ray start --block` in a session of its own: every Ray process of this node (GCS,
 raylet, agents, workers) carries that session id, so teardown signals exactly those processes,
@@ -79,7 +81,10 @@ def node_resources(members: list[str]) -> str:
 
 
 def node_labels(cluster: dict, me: dict) -> str:
-    labels = {"hpcrl.job": cluster["job_id"], "hpcrl.node": me["name"], "hpcrl.component": str(me["component"]),
+    """`hpcrl.component` for a node of the job's own components, `hpcrl.satellite` (its job id) for a
+    satellite's; every node carries the job and run it serves and its roles."""
+    origin = {"hpcrl.satellite": me["satellite"]} if me.get("satellite") else {"hpcrl.component": str(me["component"])}
+    labels = {"hpcrl.job": cluster["job_id"], "hpcrl.run": cluster["run_id"], "hpcrl.node": me["name"], **origin,
               "hpcrl.partition": me["partition"], "hpcrl.gpu_type": me["gpu_type"] or "none",
               **{f"hpcrl.role.{m}": "1" for m in me["members"]}}
     return ",".join(f"{k}={v}" for k, v in labels.items())
@@ -103,7 +108,79 @@ def start_ray(cmd: list[str], env: dict, log_path: Path) -> tuple[subprocess.Pop
     return proc, started
 
 
+class _NodeTask:
+    """What a node task of either kind shares: its run directory, node name, log and temp dirs, the
+    `ray start` command, and the stop it waits for (its run start's stop file, or a signal)."""
+
+    def __init__(self, run_dir: Path, cluster: dict, me: dict, log_name: str, temp_name: str):
+        self.paths, self.cluster, self.me = RunDir(run_dir), cluster, me
+        self.stop_file = self.paths.ray_stop(cluster["run_id"])
+        self.log_dir = self.paths.ray_logs
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_name = log_name
+        self.temp_dir = Path(os.environ.get("TMPDIR", "/tmp")) / temp_name
+        self.stop_asked: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda s, f: self.stop_asked.append(s))
+        # USR1/USR2 are the job's checkpoint signals: they are for the driver, not for Ray
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+    def stopping(self) -> str | None:
+        return "stopped before the head came up" if self.stop_asked or self.stop_file.exists() else None
+
+    def command(self, base_env: dict, ports: PortBlock, head: bool) -> tuple[list[str], dict]:
+        gpus = [g for g in base_env.get("SLURM_STEP_GPUS", "").split(",") if g]
+        cpus = int(base_env.get("SLURM_CPUS_ON_NODE", "1"))
+        mem_mb = int(base_env.get("SLURM_MEM_PER_NODE", "0") or 0) or 4096
+        env = {**base_env, **ray_env(self.paths.root),
+               # the batch shell's GPUs leak into every component's steps; this step's own are right
+               "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+        me = self.me
+        cmd = [str(Path(sys.executable).with_name("ray")), "start", "--block", f"--node-ip-address={me['addr']}",
+               f"--num-cpus={cpus}", f"--num-gpus={len(gpus)}",
+               f"--object-store-memory={max(80, mem_mb * 3 // 10) * 1024 * 1024}",
+               f"--resources={node_resources(me['members'])}", f"--labels={node_labels(self.cluster, me)}",
+               f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *ports.ray_start_args(head)]
+        if head:
+            cmd += ["--head", "--include-dashboard=false", "--dashboard-host=127.0.0.1"]
+        else:
+            cmd += [f"--address={self.cluster['address']}"]
+        return cmd, env
+
+    def wait_for_head(self) -> str | None:
+        """Until the head's GCS accepts; why not, or None."""
+        head = self.cluster["head"]
+        try:
+            wait_for_port(head["addr"], head["ports"]["gcs"], time.monotonic() + self.cluster["start_timeout_s"],
+                          give_up=self.stopping)
+        except (TimeoutError, RuntimeError) as e:
+            return f"head GCS {head['addr']}:{head['ports']['gcs']}: {e}"
+        return None
+
+    def start(self, cmd: list[str], env: dict) -> tuple[subprocess.Popen, threading.Event]:
+        return start_ray(cmd, env, self.log_dir / f"{self.log_name}.log")
+
+    def serve(self, proc: subprocess.Popen) -> int | None:
+        """Until the run start's stop file, a signal, or Ray's own exit; then this node's Ray
+        processes end (by session) and its node-local logs move to the run directory. Ray's exit
+        status if it exited by itself, else None."""
+        try:
+            while not self.stop_asked and not self.stop_file.exists() and proc.poll() is None:
+                time.sleep(POLL_S)
+            exited = proc.poll()
+        finally:
+            kill_session(proc.pid)
+            proc.wait()
+            if (self.temp_dir / "session_latest").exists():  # node-local logs -> shared run dir
+                shutil.copytree(self.temp_dir / "session_latest" / "logs", self.log_dir / self.log_name,
+                                dirs_exist_ok=True, ignore_dangling_symlinks=True)
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+        return exited
+
+
 def run_node(run_dir: Path) -> int:
+    """A node of the job's own components: the head (first node of component 0) or a worker."""
     paths = RunDir(run_dir)
     cluster = json.loads(paths.ray_cluster.read_text())
     name = node_name()
@@ -111,47 +188,22 @@ def run_node(run_dir: Path) -> int:
     if me is None:
         raise RuntimeError(f"node {name} is not in {run_dir}/ray/cluster.json")
     head = name == cluster["head"]["name"]
-    ports = PortBlock(cluster["head"]["ports"]["start"]) if head else choose_block(cluster["job_id"], me["index"], len(cluster["nodes"]))
-    stop_file = paths.ray_stop(cluster["run_id"])
-    failed = paths.ray_failed
-    log_dir = paths.ray_logs
-    log_dir.mkdir(parents=True, exist_ok=True)
-    temp_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"hpcrl-ray-{cluster['job_id']}-{name}"
+    ports = (PortBlock(cluster["head"]["ports"]["start"]) if head else
+             choose_block(cluster["job_id"], me["index"], len(cluster["nodes"])))
+    task = _NodeTask(run_dir, cluster, me, name, f"hpcrl-ray-{cluster['job_id']}-{name}")
 
     mpi = cluster.get("bootstrap") == "mpi"
     if mpi:
         from hpcrl.raycluster import rendezvous
     base = rendezvous.without_pmi(rendezvous.own_component(dict(os.environ), me["component"])) if mpi else dict(os.environ)
-    gpus = [g for g in base.get("SLURM_STEP_GPUS", "").split(",") if g]
-    cpus = int(base.get("SLURM_CPUS_ON_NODE", "1"))
-    mem_mb = int(base.get("SLURM_MEM_PER_NODE", "0") or 0) or 4096
-    env = {**base, **ray_env(run_dir),
-           # the batch shell's GPUs leak into every component's steps; this step's own are right
-           "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    cmd = [ray_bin, "start", "--block", f"--node-ip-address={me['addr']}", f"--num-cpus={cpus}",
-           f"--num-gpus={len(gpus)}", f"--object-store-memory={max(80, mem_mb * 3 // 10) * 1024 * 1024}",
-           f"--resources={node_resources(me['members'])}", f"--labels={node_labels(cluster, me)}",
-           f"--temp-dir={temp_dir}", "--disable-usage-stats", *ports.ray_start_args(head)]
-    if head:
-        cmd += ["--head", "--include-dashboard=false", "--dashboard-host=127.0.0.1"]
-    else:
-        cmd += [f"--address={cluster['address']}"]
-
-    stop_asked = []
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda s, f: stop_asked.append(s))
-    # USR1/USR2 are the job's checkpoint signals: they are for the driver, not for Ray
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    cmd, env = task.command(base, ports, head)
 
     def fail(reason: str) -> int:
-        failed.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(failed / name, reason)
+        paths.ray_failed.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(paths.ray_failed / name, reason)
         print(f"[hpcrl] ray node {name}: {reason}", file=sys.stderr, flush=True)
         return 1
 
-    stopping = lambda: "stopped before the head came up" if stop_asked or stop_file.exists() else None  # noqa: E731
     comm = None
     if mpi:
         if not rendezvous.launched_with_pmi():
@@ -165,15 +217,13 @@ def run_node(run_dir: Path) -> int:
             rendezvous.finish()
             return fail("the head node failed to start (its log says why)")
     elif not head:
-        try:
-            wait_for_port(cluster["head"]["addr"], cluster["head"]["ports"]["gcs"],
-                          time.monotonic() + cluster["start_timeout_s"], give_up=stopping)
-        except (TimeoutError, RuntimeError) as e:
-            return fail(f"head GCS {cluster['head']['addr']}:{cluster['head']['ports']['gcs']}: {e}")
-    proc, started = start_ray(cmd, env, log_dir / f"{name}.log")
+        why = task.wait_for_head()
+        if why:
+            return fail(why)
+    proc, started = task.start(cmd, env)
     if comm is not None:
         t0 = time.monotonic()
-        while not started.wait(POLL_S) and proc.poll() is None and not stopping():
+        while not started.wait(POLL_S) and proc.poll() is None and not task.stopping():
             pass
         if head:
             rendezvous.share_head_address(comm, cluster["address"] if started.is_set() else "")
@@ -182,17 +232,62 @@ def run_node(run_dir: Path) -> int:
         if joined and all(joined):
             atomic_write_text(paths.ray_ready(cluster["run_id"]),
                               f"{len(joined)} nodes after {time.monotonic() - t0:.2f} s (MPI rendezvous)\n")
-    try:
-        while not stop_asked and not stop_file.exists() and proc.poll() is None:
-            time.sleep(POLL_S)
-        exited = proc.poll()
-    finally:
-        kill_session(proc.pid)
-        proc.wait()
-        if (temp_dir / "session_latest").exists():  # node-local logs -> shared run dir
-            shutil.copytree(temp_dir / "session_latest" / "logs", log_dir / name, dirs_exist_ok=True,
-                            ignore_dangling_symlinks=True)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    exited = task.serve(proc)
     if exited is not None:
-        return fail(f"`ray start` exited with {exited}; see {log_dir / name}.log")
+        return fail(f"`ray start` exited with {exited}; see {task.log_dir / name}.log")
     return 0
+
+
+def token_problem(path: Path) -> str | None:
+    """Why a satellite must not use the run's token file: it must be this user's own, readable by
+    nobody else (0600), as `prepare` writes it. None: it may."""
+    try:
+        st = path.stat()
+        path.read_bytes()
+    except OSError as e:
+        return f"cannot read the run's Ray token {path} ({e.strerror}): a satellite joins only the runs of its own user"
+    if st.st_uid != os.getuid():
+        return f"the run's Ray token {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"the run's Ray token {path} is readable by others (mode {st.st_mode & 0o777:o}; it must be 600)"
+    return None
+
+
+def run_satellite(run_dir: Path, role: str, run_id: str) -> int:
+    """A satellite's node: one more node for `role` of the run start `run_id`, from a job of its
+    own (`hpcrl scale`). It joins that start's Ray cluster with the run's token, ports of its own
+    job and the role's labels, serves until that start stops (its stop file: the job ended or was
+    requeued) or its own job ends, and never joins another start: one that has ended is left alone."""
+    from hpcrl.slurm.allocation import this_job
+
+    paths = RunDir(run_dir)
+    name = node_name()
+
+    def say(text: str, rc: int) -> int:
+        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [hpcrl] satellite {name} of role {role}: {text}",
+              file=sys.stderr if rc else sys.stdout, flush=True)
+        return rc
+
+    problem = token_problem(paths.ray_token)     # first: another user cannot even read what follows
+    if problem:
+        return say(problem, 1)
+    cluster = json.loads(paths.ray_cluster.read_text())
+    if cluster["run_id"] != run_id or paths.ray_stop(run_id).exists():
+        return say(f"the run start it was submitted for ({run_id}) has ended; not joining", 0)
+    job = this_job()
+    me = {"name": name, "addr": job["addr"], "members": [role], "partition": job["partition"],
+          "gpu_type": job["gpu_type"], "satellite": job["job_id"]}
+    task = _NodeTask(run_dir, cluster, me, f"{name}-satellite-{job['job_id']}", f"hpcrl-ray-{job['job_id']}-{name}")
+    cmd, env = task.command(dict(os.environ), choose_block(job["job_id"], 0, 1), head=False)
+    why = task.wait_for_head()
+    if why:
+        return say(why, 1)
+    proc, started = task.start(cmd, env)
+    while not started.wait(POLL_S) and proc.poll() is None and not task.stopping():
+        pass
+    if started.is_set():
+        say(f"joined run start {run_id} at {cluster['address']} as {me['addr']}", 0)
+    exited = task.serve(proc)
+    if exited is not None:
+        return say(f"`ray start` exited with {exited}; see {task.log_dir / task.log_name}.log", 1)
+    return say("left the run", 0)

@@ -21,11 +21,7 @@ from hpcrl.job_env import JobEnv
 from hpcrl.raycluster.node import node_resources, ray_env, wait_for_port
 from hpcrl.raycluster.ports import choose_block
 from hpcrl.run_dir import RunDir
-
-
-def _gpu_type(gres: str) -> str | None:
-    parts = gres.split(":")
-    return parts[1] if len(parts) == 3 and parts[0] == "gpu" else None
+from hpcrl.slurm.allocation import gpu_type
 
 
 def _write_token(path: Path) -> None:
@@ -51,7 +47,7 @@ def prepare(run_dir: Path, start_timeout_s: float = JobEnv.ray_start_timeout, bo
     for old in paths.ray_failed.glob("*"):
         old.unlink()
     nodes = [{"index": k, "name": n["name"], "addr": n["addr"], "component": c["index"], "members": c["members"],
-              "partition": c["partition"], "gpu_type": _gpu_type(c["gres"])}
+              "partition": c["partition"], "gpu_type": gpu_type(c["gres"])}
              for k, (c, n) in enumerate((c, n) for c in alloc["components"] for n in c["nodes"])]
     head = nodes[0]
     ports = choose_block(alloc["job_id"], 0, len(nodes))

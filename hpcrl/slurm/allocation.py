@@ -35,13 +35,31 @@ def _gres(tres_per_node: str) -> str:
     return "" if t in ("", "(null)") else t
 
 
+def gpu_type(gres: str) -> str | None:
+    """The GPU type of a GRES as allocation.json records it (gpu:a100:1 -> a100), or None."""
+    parts = gres.split(":")
+    return parts[1] if len(parts) == 3 and parts[0] == "gpu" else None
+
+
+def _addresses() -> dict[str, str]:
+    return {r["NodeName"]: r.get("NodeAddr", r["NodeName"]) for r in parse_records(slurm_cmd("scontrol", "show", "node", "-o"))}
+
+
+def this_job() -> dict:
+    """The one-node job this step runs in (a satellite): {"job_id", "node", "addr", "partition", "gpu_type"}."""
+    job_id = os.environ["SLURM_JOB_ID"]
+    rec = parse_records(slurm_cmd("scontrol", "show", "job", "-o", job_id))[0]
+    name = node_name()
+    return {"job_id": job_id, "node": name, "addr": _addresses().get(name, name), "partition": rec["Partition"],
+            "gpu_type": gpu_type(_gres(rec.get("TresPerNode", "")))}
+
+
 def from_job(job_id: str, members: list[list[str]]) -> dict:
     recs = sorted(parse_records(slurm_cmd("scontrol", "show", "job", "-o", job_id)),
                   key=lambda r: int(r.get("HetJobOffset", 0)))
     if len(recs) != len(members):
         raise RuntimeError(f"job {job_id} has {len(recs)} components, the script names {len(members)}")
-    addrs = {r["NodeName"]: r.get("NodeAddr", r["NodeName"])
-             for r in parse_records(slurm_cmd("scontrol", "show", "node", "-o"))}
+    addrs = _addresses()
     comps = []
     for i, (r, m) in enumerate(zip(recs, members)):
         names = slurm_cmd("scontrol", "show", "hostnames", r["NodeList"]).split()

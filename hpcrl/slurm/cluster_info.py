@@ -20,10 +20,10 @@ class SlurmCommandError(RuntimeError):
     pass
 
 
-def slurm_cmd(*args: str, timeout: float = 30) -> str:
+def slurm_cmd(*args: str, timeout: float = 30, env: dict[str, str] | None = None) -> str:
     """Run a Slurm client command; its stderr becomes the error message."""
     try:
-        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
     except FileNotFoundError:
         raise SlurmCommandError(f"{args[0]} not found: is this a Slurm login node? "
                                 "(use --offline to skip the live cluster check)") from None

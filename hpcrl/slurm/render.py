@@ -13,7 +13,7 @@ from hpcrl.slurm import directives
 from hpcrl.slurm.job import HetJob
 
 
-def _environment() -> jinja2.Environment:
+def template_environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("hpcrl.templates", ""), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     env.filters["q"] = directives.shell_word
@@ -37,7 +37,7 @@ def render_hetjob(job: HetJob, payload: str | None = None, signal: str | None = 
     problems = directives.problems(job, str(job.run_dir))
     if problems:
         raise directives.UnsafeValue(problems)
-    return _environment().get_template("hetjob.sbatch.j2").render(
+    return template_environment().get_template("hetjob.sbatch.j2").render(
         job=job, version=__version__, table=component_table(job), payload=(payload or "").strip(),
         options=[directives.component_lines(c)[0] for c in job.components],
         driver=job.driver.strip() if payload is None else "", signal=signal or f"B:USR1@{job.signal_lead_s}",

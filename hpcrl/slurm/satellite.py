@@ -16,6 +16,7 @@ start of the job, and the next start asks for them again. Knows nothing about RL
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -61,8 +62,17 @@ def submit_satellite(job: HetJob, main_job: str, run_id: str) -> dict:
     members = ",".join(job.components[0].members)
     path = RunDir(job.run_dir).satellite_script(members)
     atomic_write_text(path, render_satellite(job, main_job, run_id))
-    job_id = slurm_cmd("sbatch", "--parsable", str(path)).strip().split(";")[0]
+    job_id = slurm_cmd("sbatch", "--parsable", str(path), env=outside_any_job()).strip().split(";")[0]
     return {"job_id": job_id, "members": members, "run_id": run_id, "submitted_at": round(time.time(), 3)}
+
+
+def outside_any_job() -> dict[str, str]:
+    """This environment without the variables of the job it may run in: sbatch passes the submitting
+    environment on, and a satellite submitted from inside the hetjob (its next start asks for it)
+    would take the hetjob's SLURM_* for its own (srun: "No directives to start application on any
+    available hetjob components")."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) or k == "SLURM_CONF"}
 
 
 def live_states(job_ids: list[str]) -> dict[str, str]:

@@ -67,7 +67,9 @@ def checkpointed(cls: type) -> type:
     if issubclass(cls, Checkpointed):
         return cls
     has_state = callable(getattr(cls, "state_dict", None))
-    members = {"frozen": not has_state, "__doc__": cls.__doc__}
+    says_elastic = any("elastic" in k.__dict__ for k in cls.__mro__ if k is not Worker)
+    # a class without state of its own may be resized (`hpcrl scale`) unless it says otherwise
+    members = {"frozen": not has_state, "__doc__": cls.__doc__, "elastic": cls.elastic if says_elastic else not has_state}
     if has_state:
         members["checkpoint_state"] = lambda self: self.state_dict()
         members["load_checkpoint_state"] = lambda self, state: self.load_state_dict(state)

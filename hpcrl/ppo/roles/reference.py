@@ -9,7 +9,7 @@ from hpcrl.ppo.roles.common import make_train_engine
 
 
 class Reference(Checkpointed, Worker):
-    frozen = True
+    frozen = elastic = True     # a new rank loads the same initial policy
 
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)

@@ -20,6 +20,7 @@ class RuleReward(Checkpointed, Worker):
     with `batched`, scores = fn(prompts, responses, **each field as a list), one call per batch.
     `prompt` is the dataset's prompt as written (text, or chat messages)."""
     frozen = True   # no state: its file only records that the role took part
+    elastic = True  # any number of ranks score alike (hpcrl scale)
 
     def __init__(self, model_dir: str, reward_fn: str, batched: bool = False):
         try:
@@ -80,7 +81,7 @@ class RuleReward(Checkpointed, Worker):
 
 class RewardModel(Checkpointed, Worker):
     """A Hugging Face sequence-classification model (one label): its score at the last real token."""
-    frozen = True
+    frozen = elastic = True
 
     def __init__(self, model_dir: str):
         from transformers import AutoModelForSequenceClassification

@@ -80,6 +80,7 @@ class Generates:
 
 class Rollout(Generates, Worker):
     """Generation on its own role; its weights are the actor's, pushed with `load_weights`."""
+    elastic = True    # a new rank gets the actor's weights from the group's restore hook
 
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
