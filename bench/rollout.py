@@ -155,7 +155,8 @@ def main() -> None:
         actor = WorkerGroup(ResourcePool.for_role("actor_rollout"), ActorRollout, (str(model_dir), conf))
         rollout = WorkerGroup(ResourcePool.for_role("rollout"), Rollout, (str(model_dir), conf))
         sync_local = median_call(actor.sync_rollout_weights, args.repeat)
-        sync_remote = median_call(lambda: rollout.load_weights(actor.export_weights.future()), args.repeat)
+        dtype = rollout.sampling_dtype()
+        sync_remote = median_call(lambda: rollout.load_weights(actor.export_weights.future(dtype), 1), args.repeat)
     finally:
         ray.shutdown()
 

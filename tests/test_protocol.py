@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcrl.controller.batch import Batch
+from hpcrl.controller.batch import Batch, Weights
 
 
 def sample(n=7):
@@ -76,5 +76,10 @@ def test_round_trip_through_ray_keeps_dtypes_and_gives_writable_tensors(tmp_path
         assert torch.equal(back["x"], b["x"]) and list(back["text"]) == list(b["text"]) and back.meta == {"step": 4}
         back["x"].add_(1)   # a private copy: writing must not touch the stored object
         assert torch.equal(ray.get(ray.put(b))["x"], b["x"])
+        # a state dict travels the same way, each tensor as it was (the rollout's weights)
+        w = Weights({"w": torch.randn(3, 4), "h": torch.randn(5, dtype=torch.bfloat16), "n": torch.arange(3)})
+        got = ray.get(ray.put(w))
+        assert isinstance(got, Weights) and got.keys() == w.keys()
+        assert all(got[k].dtype == w[k].dtype and torch.equal(got[k], w[k]) for k in w)
     finally:
         ray.shutdown()

@@ -53,6 +53,8 @@ class SamplingParams:
 class RolloutEngine(Protocol):
     shares_module: bool
     """It samples with the training module itself, so new weights need no load."""
+    dtype: torch.dtype
+    """What it samples in: weights sent to it in this dtype lose nothing (bf16 halves what travels)."""
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  seed: int) -> dict[str, torch.Tensor]:

@@ -230,11 +230,13 @@ def ppo(ctx: RunContext) -> str | None:
     lead = cfg.max_staleness if pipelined else 0      # batches generated ahead of the one in training
     version = 0                                       # the step whose actor update made the current weights
 
+    sampling = rollout.sampling_dtype() if rollout else None
+
     def sync_weights():
         """The actor's weights (of step `version`) to the generating engine: a future when that is
         the rollout role (its next generation waits behind it on the role's processes)."""
         if rollout:
-            return rollout.load_weights.future(actor.export_weights.future(), version)
+            return rollout.load_weights.future(actor.export_weights.future(sampling), version)
         actor.sync_rollout_weights(version)
         return None
 

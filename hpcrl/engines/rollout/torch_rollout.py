@@ -81,6 +81,10 @@ class TorchRollout:
         out = self.model(**inputs, **({self.cache_kw: cache} if cache is not None else {}), use_cache=True)
         return out[self.cache_kw], out.logits[:, -1]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """New parameters (HF names). Only needed when the module is not the trainer's own."""
         self.model.load_state_dict(weights)

@@ -65,7 +65,7 @@ class VLLMRollout:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        self.pad_id, self.eos_ids = pad_id, list(eos_ids)
+        self.pad_id, self.eos_ids, self.dtype = pad_id, list(eos_ids), getattr(torch, dtype)
         self.sleeping, self.can_sleep = False, on_gpu
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
                        tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,

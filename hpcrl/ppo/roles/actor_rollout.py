@@ -6,7 +6,7 @@ import torch
 from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
 from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
-from hpcrl.controller.batch import Batch
+from hpcrl.controller.batch import Batch, Weights
 from hpcrl.ppo.config import PPOConfig
 from hpcrl.ppo.roles.common import local_share, make_train_engine, ppo_updates, seed_all
 from hpcrl.ppo.roles.rollout import Generates, make_rollout_engine
@@ -44,10 +44,15 @@ class ActorRollout(Generates, Checkpointed, Worker):
             self.policy_version = version
 
     @register(Dispatch.ALL_RANK_ZERO)
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """The policy's parameters by HF name, for a separate rollout role's `load_weights`."""
+    def export_weights(self, dtype: str | None = None) -> Weights | None:
+        """The policy's parameters by HF name, for a separate rollout role's `load_weights`; floating
+        ones in `dtype` (the rollout's sampling dtype, Rollout.sampling_dtype), when given."""
         weights = self.engine.full_weights()      # every rank: gathering sharded weights is a collective
-        return {k: v.detach().cpu() for k, v in weights.items()} if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        cast = getattr(torch, dtype) if dtype else None
+        return Weights({k: v.detach().to(cast if cast and v.is_floating_point() else v.dtype).cpu()
+                        for k, v in weights.items()})
 
     def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
         cfg, mask, logp, ent = self.cfg, mb["response_mask"], out["log_probs"], out["entropy"]

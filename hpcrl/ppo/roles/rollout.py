@@ -2,7 +2,9 @@
 
 With `rollout_role: true` generation runs in a `rollout` role on its own nodes (and partition),
 and the actor's weights reach it after every update through Ray's object store: the actor's rank
-0 puts one state dict, every rollout rank reads it (shared memory on its node). The object store,
+0 puts one state dict in the dtype the rollout samples in (bf16 on a GPU: half of fp32's bytes), as
+numpy buffers that Ray moves out of band (`Weights`), and every rollout rank reads it (shared memory
+on its node). The object store,
 not a torch.distributed group, because the two roles live in separate WorkerGroups, possibly on
 separate hetjob components, and a group spanning them would tie their restarts together.
 """
@@ -85,6 +87,11 @@ class Rollout(Generates, Worker):
     def __init__(self, model_dir: str, cfg: dict):
         self.cfg = PPOConfig(**cfg)
         self.rollout = make_rollout_engine(self.cfg, model_dir, self.rank, self.device)
+
+    @register(Dispatch.RANK_ZERO)
+    def sampling_dtype(self) -> str:
+        """The dtype its engine samples in ("bfloat16"): the actor sends its weights in it."""
+        return str(self.rollout.dtype).removeprefix("torch.")
 
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
