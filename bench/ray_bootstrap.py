@@ -5,12 +5,14 @@ a100x2+h100+cpu), in one run:
   hpcrl      the rendered hetjob script: parallel node start, barrier on Ray's node table
   hpcrl mpi  the same script with `bootstrap: mpi`: one `srun --mpi=pmix` step, rank 0 broadcasts
              the head's address, an MPI allgather is the barrier (needs .ci/install-mpi)
+  in image   the hpcrl script with every component in slurm/image's Charliecloud image (each node's
+             Ray and the barrier start through ch-run; needs `slurm/image build`)
   sleep      Ray's Slurm template on the same allocation shape: head, `sleep 10`, then each worker
              followed by `sleep 5`; the driver starts after the last sleep
   head-only  one bare `ray start --head` until a driver connects (outside Slurm), the reference
 Times come from the scripts' own $EPOCHREALTIME, not from scheduling.
 
-    python bench/ray_bootstrap.py [--repeat 1] [--json bench/ray_bootstrap.json]
+    python bench/ray_bootstrap.py [--repeat 1] [--image .images/hpcrl] [--json bench/ray_bootstrap.json]
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ SHAPES = {  # nodes -> roles
         "ref": {"partition": "cpu", "cpus_per_task": 2, "mem": "2G"}},
 }
 RAY = str(Path(sys.executable).with_name("ray"))
+RUNS = ROOT / "runs"      # a mount point in slurm/image's image
 
 
 def sh(*args: str) -> str:
@@ -57,8 +60,10 @@ def run_script(script: str, run_dir: Path) -> str:
     return (run_dir / "out").read_text()
 
 
-def hpcrl_script(n: int, run_dir: Path, bootstrap: str = "poll") -> str:
-    spec = parse_spec({"name": f"bench{n}", "run_dir": str(run_dir), "roles": SHAPES[n], "bootstrap": bootstrap})
+def hpcrl_script(n: int, run_dir: Path, bootstrap: str = "poll", image: Path | None = None) -> str:
+    box = {"container": {"runtime": "charliecloud", "image": str(image), "python": "/opt/venv/bin/python",
+                         "mounts": [str(RUNS)]}} if image else {}
+    spec = parse_spec({"name": f"bench{n}", "run_dir": str(run_dir), "roles": SHAPES[n], "bootstrap": bootstrap, **box})
     job = spec.to_hetjob(python=sys.executable)
     # mark allocation start right where the script begins to work
     return render_hetjob(job, payload='echo "BENCH_END $EPOCHREALTIME"').replace(
@@ -125,26 +130,31 @@ def span(out: str) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--image", type=Path, default=ROOT / ".images" / "hpcrl", help="slurm/image's image")
     ap.add_argument("--json", default=str(ROOT / "bench" / "ray_bootstrap.json"))
     args = ap.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-ray-", dir=ROOT) as tmp:
+    RUNS.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench-ray-", dir=RUNS) as tmp:
         head = min(head_only() for _ in range(args.repeat))
         for n in SHAPES:
             h = min(span(run_script(hpcrl_script(n, Path(tmp) / f"h{n}-{r}"), Path(tmp) / f"h{n}-{r}"))
                     for r in range(args.repeat))
             m = min(span(run_script(hpcrl_script(n, Path(tmp) / f"m{n}-{r}", "mpi"), Path(tmp) / f"m{n}-{r}"))
                     for r in range(args.repeat))
+            c = min(span(run_script(hpcrl_script(n, Path(tmp) / f"c{n}-{r}", image=args.image.resolve()),
+                                    Path(tmp) / f"c{n}-{r}")) for r in range(args.repeat))
             outs = [run_script(sleep_script(n, Path(tmp) / f"s{n}-{r}"), Path(tmp) / f"s{n}-{r}")
                     for r in range(args.repeat)]
             s = min(span(o) for o in outs)
             alive = [int(m) for o in outs for m in re.findall(r"BENCH_ALIVE (\d+)", o)]
-            rows.append({"nodes": n, "hpcrl_s": round(h, 2), "hpcrl_mpi_s": round(m, 2), "sleep_template_s": round(s, 2),
+            rows.append({"nodes": n, "hpcrl_s": round(h, 2), "hpcrl_mpi_s": round(m, 2), "hpcrl_in_image_s": round(c, 2),
+                         "in_image_over_host": round(c / h, 2), "sleep_template_s": round(s, 2),
                          "sleep_template_nodes_alive_at_driver_start": min(alive) if alive else None,
                          "head_only_s": round(head, 2), "hpcrl_over_head": round(h / head, 2)})
-    print(f"{'nodes':>5}  {'hpcrl':>8}  {'hpcrl mpi':>9}  {'sleep tmpl':>10}  {'alive@drv':>9}  {'1 head':>7}  {'hpcrl/head':>10}")
+    print(f"{'nodes':>5}  {'hpcrl':>8}  {'hpcrl mpi':>9}  {'in image':>8}  {'sleep tmpl':>10}  {'alive@drv':>9}  {'1 head':>7}  {'hpcrl/head':>10}")
     for r in rows:
-        print(f"{r['nodes']:>5}  {r['hpcrl_s']:>7.2f}s  {r['hpcrl_mpi_s']:>8.2f}s  {r['sleep_template_s']:>9.2f}s  "
+        print(f"{r['nodes']:>5}  {r['hpcrl_s']:>7.2f}s  {r['hpcrl_mpi_s']:>8.2f}s  {r['hpcrl_in_image_s']:>7.2f}s  {r['sleep_template_s']:>9.2f}s  "
               f"{str(r['sleep_template_nodes_alive_at_driver_start']):>9}  {r['head_only_s']:>6.2f}s  "
               f"{r['hpcrl_over_head']:>10.2f}")
     Path(args.json).write_text(json.dumps({"rows": rows, "measured_at": time.time()}, indent=1))

@@ -105,6 +105,35 @@ def slurm_log(run: Path) -> str:
     return "".join(p.read_text() for p in sorted((run / "logs").glob("slurm-*.out")))
 
 
+@pytest.fixture(scope="session")
+def image():
+    """slurm/image's Charliecloud image (Debian, /opt/venv with this venv's packages and hpcrl),
+    built once, cached between runs (.images/hpcrl)."""
+    out = subprocess.run([str(ROOT / "slurm" / "image"), "build", "--venv", sys.prefix], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"slurm/image build failed:\n{out.stdout}\n{out.stderr}")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def in_image(spec: Path, image: Path, roles: list[str]) -> Path:
+    """A copy of spec whose components headed by `roles` run in `image` (Charliecloud), its
+    checkpoints written serially (parallel HDF5's writers are a Slurm step: refused in containers)."""
+    import yaml
+
+    data = yaml.safe_load(spec.read_text())
+    data.setdefault("train", {})["checkpoint_io"] = "auto"
+    for role in roles:
+        data["roles"][role]["container"] = {"runtime": "charliecloud", "image": str(image), "python": "/opt/venv/bin/python"}
+    path = spec.with_name(f"{spec.stem}-in-image.yaml")
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def in_container(pid: int) -> bool:
+    """Whether a process runs under ch-run (it sets CH_RUNNING in what it runs)."""
+    return b"CH_RUNNING=" in Path(f"/proc/{pid}/environ").read_bytes()
+
+
 def keeping_off(spec: Path, victim: Path) -> Path:
     """A copy of spec whose every component keeps off the node of `victim`'s component 0, once that
     run has its nodes: an uninterrupted run beside the run that preempt_and_finish will preempt

@@ -11,8 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "golden"
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu", "ppo-7b-hetero", "grpo-32b-hetero"])
-def test_render_matches_golden(name):
+@pytest.mark.parametrize("name", ["tiny-cpu", "ppo-7b-hetero", "grpo-32b-hetero", "containers-hetero",
+                                  "tiny-cpu-containers"])
+def test_render_matches_golden(name, monkeypatch):
+    monkeypatch.chdir("/")        # relative paths of a spec (an image, mounts) are taken from here
     spec = load_spec(ROOT / "jobs" / f"{name}.yaml", run_dir=f"/shared/runs/{name}")
     spec._source = f"jobs/{name}.yaml"
     text = render_hetjob(spec.to_hetjob(python="python3"))

@@ -10,8 +10,8 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import (ROOT, comparable, job_finished, kill_dead, plot_pixels_seen_by_chromium, preempt_and_finish, sh,
-                      slurm_log, start_local_training, submit, wait_until)
+from conftest import (ROOT, comparable, in_container, in_image, job_finished, kill_dead, plot_pixels_seen_by_chromium,
+                      preempt_and_finish, sh, slurm_log, start_local_training, submit, wait_until)
 
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import PPOConfig
@@ -88,24 +88,31 @@ def status(run) -> dict:
 
 
 @pytest.mark.slurm
-def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path):
-    """jobs/tiny-cpu-pipelined.yaml: the checkpoint taken on the signal holds the batch the rollout
-    had generated ahead (with the weights before the checkpoint's), and the resumed run trains on it."""
+def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path, image):
+    """jobs/tiny-cpu-pipelined.yaml, on the host; then with the actor's and the reference's
+    components in slurm/image's Charliecloud image (the rollout, whose node runs the driver, and the
+    critic on the host), preempted: the checkpoint taken on the signal holds the batch the rollout
+    had generated ahead (with the weights before the checkpoint's), the job requeues, and the
+    resumed run trains on it in its containers, ending bitwise as the run on the host did."""
     spec = short_spec(tmp_path, "tiny", job="tiny-cpu-pipelined.yaml")
     once, twice = tmp_path / "once", tmp_path / "twice"
     job = submit(spec, once)
     wait_until(lambda: job_finished(job), 600, "uninterrupted run")
     assert len(read_metrics(once / "metrics.jsonl")) == 40, slurm_log(once)
 
-    job = submit(spec, twice)
+    job = submit(in_image(spec, image, ["actor_rollout", "ref"]), twice)
     at = random.Random().randint(5, 25)
     wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= at, 300, f"{at} steps")
     st = status(twice)   # while it runs, from the login node: no Ray connection
     assert st["run"]["state"] == "running" and st["run"]["step"] >= at - 1, st["run"]
     assert [c["state"] for c in st["components"]] == ["RUNNING"] * 4
     assert all(role["state"] == "alive" for role in st["run"]["roles"].values())
+    boxed = {role: in_container(r["ranks"][0]["pid"]) for role, r in st["run"]["roles"].items()}
+    assert boxed == {"rollout": False, "actor_rollout": True, "critic": False, "ref": True, "reward": True}, boxed
     stopped_at = preempt_and_finish(twice, job)
     assert f"batches of steps [{stopped_at + 1}] were generated ahead" in slurm_log(twice)
+    # each start's node tasks of the two components ran the image's interpreter
+    assert slurm_log(twice).count("python /opt/venv/bin/python\n") == 4, slurm_log(twice)
     assert json.loads((twice / "allocation.json").read_text())["restart_count"] >= 1
     assert_same_training(once, twice, 40)
     for run in (once, twice):

@@ -2,6 +2,8 @@
 
     spec_problems(spec)           the spec alone: relations between roles, and the training settings
                                   against the roles and resources they need (load_spec runs it)
+    container_problems(spec)      what cannot run in a container (problems_before_submit adds what the login
+                                  node sees of the containers: runtimes, images, mount points)
     environment_problems(spec)    the job's interpreter: mpi4py for bootstrap: mpi, h5py with MPI for
                                   checkpoint_io: parallel
     problems_before_submit(spec, job, cluster)
@@ -24,11 +26,35 @@ if TYPE_CHECKING:
     from hpcrl.slurm.job import HetJob
 
 _RESOURCE_FIELDS = ("partition", "nodes", "gpus_per_node", "gpu_type", "gres", "cpus_per_task", "mem",
-                    "time", "account", "qos", "constraint", "exclusive", "sbatch_extra")
+                    "time", "account", "qos", "constraint", "exclusive", "sbatch_extra", "container")
 
 
 def spec_problems(spec: JobSpec) -> list[str]:
-    return role_problems(spec) or (time_problems(spec) + train_problems(spec) + code_problems(spec))
+    return role_problems(spec) or (time_problems(spec) + train_problems(spec) + code_problems(spec)
+                                   + container_problems(spec))
+
+
+def containers(spec: JobSpec) -> list:
+    """The containers of the spec's components (None where a component runs on the host)."""
+    return [spec.container_of(members[0]) for members in spec.component_roles()]
+
+
+def container_problems(spec: JobSpec) -> list[str]:
+    """What the rest of the spec cannot do where a component runs in a container."""
+    boxes = list({b.source: b for b in containers(spec) if b is not None}.values())
+    problems = []
+    if boxes and spec.bootstrap == "mpi":
+        problems.append("bootstrap: mpi, but a component runs in a container, where the node tasks' MPI would have to "
+                        "match the host's PMIx; use bootstrap: poll (auto polls where there are containers)")
+    try:
+        parallel = bool(spec.train) and PPOConfig.from_dict(spec.train).checkpoint_io == "parallel"
+    except ConfigError:
+        parallel = False           # train_problems names it
+    if boxes and parallel:
+        problems.append("train.checkpoint_io: parallel, but a component runs in a container: the parallel writers "
+                        "are a Slurm step the roles start, and an image has no srun; use auto (serial in a container) "
+                        "or serial")
+    return problems
 
 
 def role_problems(spec: JobSpec) -> list[str]:
@@ -226,4 +252,5 @@ def problems_before_submit(spec: JobSpec, job: HetJob, cluster: ClusterInfo | No
     if cluster is None:
         return found
     missing = PPOConfig.from_dict(spec.train).missing_paths() if spec.train else []
-    return found + run_dir_problems(spec) + missing + cluster.check(job)
+    here = [p for b in {b.source: b for b in containers(spec) if b}.values() for p in b.problems_here(str(spec.run_dir))]
+    return found + run_dir_problems(spec) + missing + cluster.check(job) + here

@@ -21,9 +21,10 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from hpcrl.job_env import JobEnv
+from hpcrl.slurm.container import Container
 from hpcrl.slurm.job import Component, Gres, HetJob, parse_mem_mb, parse_time_minutes
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -36,6 +37,57 @@ class SpecError(ValueError):
         self.problems = problems
         self.source = source
         super().__init__(f"{source}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class ContainerSpec(BaseModel):
+    """An image the steps of a component run in (README: "Containers")."""
+    model_config = ConfigDict(extra="forbid")
+
+    runtime: Literal["apptainer", "pyxis", "charliecloud"]
+    """apptainer (`apptainer exec` inside each srun), pyxis (srun --container-image), charliecloud (ch-run)."""
+    image: str
+    """A .sif file or folder (apptainer), a folder (charliecloud), a squashfs file or registry reference
+    (pyxis), on storage the compute nodes see."""
+    python: str = "python3"
+    """hpcrl's interpreter inside the image."""
+    mounts: list[str] = Field(default_factory=list)
+    """More host paths in the image, `path` or `host/path:/path/in/image` (relative ones are taken
+    from where hpcrl runs, as run_dir is); the run directory always is, unless a mount holds it."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Variables set inside the image."""
+    flags: list[str] = Field(default_factory=list)
+    """More of the runtime's own flags, as written (e.g. `--writable-tmpfs`)."""
+
+    @field_validator("image", "python", "mounts", "flags")
+    @classmethod
+    def _one_line(cls, v):
+        for text in [v] if isinstance(v, str) else v:
+            if not text or any(ord(c) < 32 or ord(c) == 127 for c in text):
+                raise ValueError(f"{text!r}: give one non-empty line (no control characters)")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _names(cls, v):
+        bad = [k for k in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)] + \
+              [f"{k}={x!r}" for k, x in v.items() if any(ord(c) < 32 or ord(c) == 127 for c in x)]
+        if bad:
+            raise ValueError(f"{bad}: names of letters, digits and '_' (not first), values of one line")
+        return v
+
+    @model_validator(mode="after")
+    def _absolute(self):
+        """Relative paths are taken from where hpcrl runs, as run_dir's are (a registry reference stays)."""
+        def absolute(p: str) -> str:
+            return str((Path.cwd() / Path(p).expanduser()).resolve()) if not p.startswith("/") else p
+        self.mounts = [":".join(absolute(p) for p in m.split(":", 1)) for m in self.mounts]
+        if self.runtime == "charliecloud" or self.image.startswith(("./", "../", "~")):
+            self.image = absolute(self.image)
+        return self
+
+    def container(self, source: str) -> Container:
+        return Container(self.runtime, self.image, self.python, tuple(self.mounts), tuple(self.env.items()),
+                         tuple(self.flags), source)
 
 
 class RoleSpec(BaseModel):
@@ -76,6 +128,8 @@ class RoleSpec(BaseModel):
     sbatch_extra: list[str] = Field(default_factory=list)
     """Extra `#SBATCH` flags for this component, one long option each, e.g. `--reservation=rlhf`
     (checked like every value of the script: hpcrl/slurm/directives.py)."""
+    container: ContainerSpec | Literal["host"] | None = None
+    """This component's image instead of the job's `container:`; `host`: no image for it."""
 
     @field_validator("time", "mem", "gres")
     @classmethod
@@ -150,6 +204,8 @@ class JobSpec(BaseModel):
     driver: str | None = None
     """Your own training loop, `package.module:function`, called with the run's RunContext
     (hpcrl/ppo/context.py) instead of the built-in PPO driver; None: the built-in one."""
+    container: ContainerSpec | None = None
+    """The image every component's steps run in, unless its role says otherwise (README: "Containers")."""
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     """metrics.tensorboard: true adds TensorBoard output; metrics.wandb: {project: ...} a W&B run."""
     _source: str = PrivateAttr("")
@@ -193,9 +249,24 @@ class JobSpec(BaseModel):
             groups.setdefault(owner, []).append(role)
         return list(groups.values())
 
+    def container_of(self, role: str) -> Container | None:
+        """The container of the component `role` heads: its own, `host` (none), or the job's."""
+        own = self.roles[role].container
+        if own == "host":
+            return None
+        if own is not None:
+            return own.container(f"roles.{role}.container")
+        return self.container.container("container") if self.container else None
+
+    @property
+    def node_bootstrap(self) -> str:
+        """bootstrap, but poll where a component runs in a container (auto would take the host's MPI)."""
+        return "poll" if self.bootstrap == "auto" and any(
+            self.container_of(m[0]) for m in self.component_roles()) else self.bootstrap
+
     def job_env(self) -> JobEnv:
         """What the batch script exports for the job's steps."""
-        return JobEnv(run_dir=str(self.run_dir), ray_start_timeout=self.ray_start_timeout, bootstrap=self.bootstrap,
+        return JobEnv(run_dir=str(self.run_dir), ray_start_timeout=self.ray_start_timeout, bootstrap=self.node_bootstrap,
                       mpi=self.mpi, signal_lead=self.signal_lead, max_restarts=self.max_restarts,
                       requeue=self.requeue)
 
@@ -208,10 +279,10 @@ class JobSpec(BaseModel):
                 mem_mb=parse_mem_mb(r.mem) if r.mem else None,
                 time_min=parse_time_minutes(r.time) if r.time else None, account=r.account, qos=r.qos,
                 constraint=r.constraint, exclusive=r.exclusive, extra=list(r.sbatch_extra),
-                members=members, source=f"roles.{members[0]}"))
+                members=members, source=f"roles.{members[0]}", container=self.container_of(members[0])))
         return HetJob(name=self.name, run_dir=self.run_dir, components=comps, requeue=self.requeue,
                       signal_lead_s=self.signal_lead, setup=list(self.setup), python=self.python or python,
-                      bootstrap=self.bootstrap, mpi=self.mpi,
+                      bootstrap=self.node_bootstrap, mpi=self.mpi,
                       env=self.job_env().exports(),
                       driver=f'{self.python or python} -m hpcrl.launch "${JobEnv.var("run_dir")}"' if self.train else "",
                       source_file=self._source)

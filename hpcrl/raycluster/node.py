@@ -28,9 +28,11 @@ POLL_S = 0.1
 
 
 def ray_env(run_dir: Path) -> dict[str, str]:
-    """What every Ray process of the job (nodes and drivers) needs: token auth, no usage stats."""
+    """What every Ray process of the job (nodes and drivers) needs: token auth, no usage stats, and
+    Python versions matched to the minor one (a component's image may have 3.11.2 where the host has
+    3.11.7; Ray's default asks for the same patch release)."""
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(RunDir(run_dir).ray_token),
-            "RAY_USAGE_STATS_ENABLED": "0"}
+            "RAY_USAGE_STATS_ENABLED": "0", "RAY_DEFAULT_PYTHON_VERSION_MATCH_LEVEL": "minor"}
 
 
 def wait_for_port(addr: str, port: int, deadline: float, give_up=lambda: None) -> None:
@@ -191,6 +193,7 @@ def run_node(run_dir: Path) -> int:
     ports = (PortBlock(cluster["head"]["ports"]["start"]) if head else
              choose_block(cluster["job_id"], me["index"], len(cluster["nodes"])))
     task = _NodeTask(run_dir, cluster, me, name, f"hpcrl-ray-{cluster['job_id']}-{name}")
+    print(f"[hpcrl] ray node {name} (component {me['component']}): python {sys.executable}", flush=True)
 
     mpi = cluster.get("bootstrap") == "mpi"
     if mpi:
@@ -220,7 +223,15 @@ def run_node(run_dir: Path) -> int:
         why = task.wait_for_head()
         if why:
             return fail(why)
-    proc, started = task.start(cmd, env)
+    try:
+        proc, started = task.start(cmd, env)
+    except OSError as e:            # e.g. an image whose venv lacks Ray's scripts
+        if comm is not None:
+            if head:
+                rendezvous.share_head_address(comm, "")
+            rendezvous.gather_started(comm, False)
+            rendezvous.finish()
+        return fail(f"cannot start Ray: {e}")
     if comm is not None:
         t0 = time.monotonic()
         while not started.wait(POLL_S) and proc.poll() is None and not task.stopping():

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpcrl.job_env import JobEnv
+from hpcrl.slurm.container import Container
 
 _TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?$")
 _MEM = re.compile(r"^(?P<n>\d+(?:\.\d+)?)\s*(?P<u>[KMGT]?)B?$", re.IGNORECASE)
@@ -79,6 +80,7 @@ class Component:
     extra: list[str] = field(default_factory=list)  # raw sbatch flags, e.g. "--reservation=x"
     members: list[str] = field(default_factory=list)
     source: str = ""
+    container: Container | None = None   # its steps run in this image (hpcrl/slurm/container.py)
 
     @property
     def gpus_per_node(self) -> int:
