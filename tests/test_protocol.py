@@ -1,9 +1,11 @@
-"""Batch: pure logic, checked against numpy slicing; transport through a real Ray object store."""
+"""Batch: pure logic, checked against numpy slicing; transport through a real Ray object store.
+The weights' device path: its layout and its choice (CUDA IPC itself: tests/gpu)."""
 import numpy as np
 import pytest
 import torch
 
 from hpcrl.controller.batch import Batch, Weights
+from hpcrl.controller.device_weights import ALIGN, Placement, pack, shares_gpu, unpack
 
 
 def sample(n=7):
@@ -83,3 +85,35 @@ def test_round_trip_through_ray_keeps_dtypes_and_gives_writable_tensors(tmp_path
         assert all(got[k].dtype == w[k].dtype and torch.equal(got[k], w[k]) for k in w)
     finally:
         ray.shutdown()
+
+
+def test_packed_weights_unpack_bitwise_as_the_host_path_casts_them():
+    g = torch.Generator().manual_seed(0)
+    weights = {"w": torch.randn(3, 5, generator=g), "h": torch.randn(7, generator=g).bfloat16(),
+               "n": torch.arange(4), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
+               "p": torch.nn.Parameter(torch.randn(2, 2, generator=g))}     # a module's, requiring grad
+    for dtype in (torch.bfloat16, None):
+        buffer, layout = pack(weights, dtype, "cpu")
+        assert buffer.dtype == torch.uint8 and buffer.dim() == 1
+        assert all(s.offset % ALIGN == 0 for s in layout.values())
+        back = unpack(buffer, layout)
+        assert back.keys() == weights.keys()
+        for k, v in weights.items():       # what export_weights sends as Weights: floating ones cast
+            want = v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype)
+            assert back[k].dtype == want.dtype and back[k].shape == want.shape and torch.equal(back[k], want), k
+            assert back[k].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()   # views, no copy
+        ends = sorted((s.offset, s.offset + back[k].nbytes) for k, s in layout.items())
+        assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:])) and ends[-1][1] <= buffer.numel()
+
+
+def test_weights_stay_on_the_gpu_only_when_every_reader_shares_the_producers():
+    actor = Placement("node1", 100, "GPU-a")
+    beside = Placement("node1", 200, "GPU-a")
+    assert shares_gpu(actor, [beside]) and shares_gpu(actor, [beside, Placement("node1", 201, "GPU-a")])
+    assert not shares_gpu(actor, [beside, Placement("node1", 201, "GPU-b")])     # one rank on another GPU
+    assert not shares_gpu(actor, [Placement("node2", 200, "GPU-a")])             # another host
+    assert not shares_gpu(actor, [actor])              # its own process: CUDA IPC does not open its own handle
+    assert not shares_gpu(actor, [])
+    on_cpu = Placement("node1", 100, None)
+    assert not shares_gpu(on_cpu, [Placement("node1", 200, None)])
+    assert Placement.of("cpu") == Placement.of(torch.device("cpu")) and Placement.of("cpu").gpu is None

@@ -231,16 +231,23 @@ def ppo(ctx: RunContext) -> str | None:
     version = 0                                       # the step whose actor update made the current weights
 
     sampling = rollout.sampling_dtype() if rollout else None
+    # where the rollout's ranks run: on the GPU of the actor's rank 0 the weights stay on the device.
+    # Asked again only when the rollout is rebuilt or resized: asked at every sync, it would wait
+    # behind the generation in flight on the rollout's processes (pipelined steps)
+    rollout_at = rollout.placement() if rollout else None
 
     def sync_weights():
         """The actor's weights (of step `version`) to the generating engine: a future when that is
         the rollout role (its next generation waits behind it on the role's processes)."""
         if rollout:
-            return rollout.load_weights.future(actor.export_weights.future(sampling), version)
+            return rollout.load_weights.future(actor.export_weights.future(sampling, rollout_at), version)
         actor.sync_rollout_weights(version)
         return None
 
     def resync() -> None:
+        nonlocal rollout_at
+        if rollout:
+            rollout_at = rollout.placement()     # a rebuilt or resized rollout may run elsewhere
         pending = sync_weights()
         if pending is not None:
             pending.result()

@@ -1,5 +1,6 @@
 """What the GPU tests run in their own processes (megatron's parallel state is per process): build
-an engine on `world` GPUs, compute log-probs, take optimizer steps, gather, save the results."""
+an engine on `world` GPUs, compute log-probs, take optimizer steps, gather, save the results; pass
+weights from one process to another on the same GPU (DeviceWeights)."""
 from __future__ import annotations
 
 import os
@@ -70,3 +71,78 @@ def run(world: int, engine: str, tp: int, model_dir, batch, out_dir: Path, port:
     (out_dir / "batch.pkl").write_bytes(pickle.dumps(batch))
     mp.spawn(probe, args=(world, engine, tp, str(model_dir), str(out_dir / "batch.pkl"), str(out_dir), port), nprocs=world)
     return [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+
+
+def export_probe(model_dir: str, out_dir: str, inbox, outbox) -> None:
+    """The actor's side of DeviceWeights: two versions of its weights (fp32 on the GPU, as a trainer
+    holds them) exported in bf16 to a reader on the same GPU, the second while the reader still
+    holds the first; what this process has allocated then, and once the reader let go of both."""
+    from hpcrl.controller.device_weights import DeviceWeights
+    from hpcrl.models import load_causal_lm
+
+    torch.manual_seed(1)
+    hf = load_causal_lm(model_dir).cuda().state_dict()
+    versions = [{k: v + 0.01 * i * torch.randn_like(v) for k, v in hf.items()} for i in (1, 2)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    first = DeviceWeights.export(versions[0], torch.bfloat16, "cuda:0", readers=1)
+    outbox.put(first)
+    assert inbox.get(timeout=120) == "holding"
+    torch.cuda.ipc_collect()
+    held = torch.cuda.memory_allocated() - base
+    second = DeviceWeights.export(versions[1], torch.bfloat16, "cuda:0", readers=1)
+    outbox.put(second)
+    assert inbox.get(timeout=120) == "released"
+    torch.cuda.ipc_collect()
+    where = [w.handles[0][1][7:10] for w in (first, second)]    # rebuild_cuda_tensor's allocation handle, size, offset
+    result = {"bf16": [{k: v.bfloat16().cpu() for k, v in w.items()} for w in versions], "held": held,
+              "left": torch.cuda.memory_allocated() - base, "fresh": where[0] != where[1],
+              "bytes": sum(v.numel() * 2 for v in versions[0].values())}
+    (Path(out_dir) / "producer.pkl").write_bytes(pickle.dumps(result))
+
+
+def read_probe(model_dir: str, out_dir: str, inbox, outbox) -> None:
+    """The rollout's side: a StaticCacheRollout (started from the model's own weights, as the
+    Rollout role's) loads both exports; it holds the first until the second has come."""
+    from transformers import AutoConfig
+
+    from hpcrl.controller.device_weights import Placement, shares_gpu
+    from hpcrl.engines.rollout.static_cache import StaticCacheRollout
+    from hpcrl.models import load_causal_lm
+
+    device = torch.device("cuda:0")
+    engine = StaticCacheRollout(AutoConfig.from_pretrained(model_dir), 0, [2], device)
+    engine.load_weights(load_causal_lm(model_dir).state_dict())
+    first, later = inbox.get(timeout=120), []
+
+    def hold(named):
+        engine.load_weights(named)
+        outbox.put("holding")
+        later.append(inbox.get(timeout=120))
+
+    first.load(hold, 0, device)
+    states = [[t.cpu() for t in engine._tensors(engine.w)]]
+    later[0].load(engine.load_weights, 0, device)
+    states.append([t.cpu() for t in engine._tensors(engine.w)])
+    outbox.put("released")
+    result = {"states": states, "shares_gpu": shares_gpu(first.producer, [Placement.of(device)])}
+    (Path(out_dir) / "reader.pkl").write_bytes(pickle.dumps(result))
+
+
+def share_weights(model_dir, out_dir: Path) -> tuple[dict, dict]:
+    """export_probe and read_probe, two processes on GPU 0; their results."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    to_reader, to_producer = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=export_probe, args=(str(model_dir), str(out_dir), to_producer, to_reader)),
+             ctx.Process(target=read_probe, args=(str(model_dir), str(out_dir), to_reader, to_producer))]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0], "a probe process failed (its traceback is above)"
+    return pickle.loads((out_dir / "producer.pkl").read_bytes()), pickle.loads((out_dir / "reader.pkl").read_bytes())

@@ -108,6 +108,29 @@ def test_static_cache_rollout_log_probs_equal_the_training_forward(model_dir):
     assert torch.equal(again["responses"], out["responses"])       # graph replays are deterministic
 
 
+def test_device_weights_reach_a_rollout_engine_in_another_process_on_the_gpu(model_dir, tmp_path, monkeypatch):
+    """The actor's weights through CUDA IPC into a StaticCacheRollout in another process on the same
+    GPU, both with the workers' allocator (expandable segments): bitwise the producer's bf16 cast;
+    the buffer stays allocated while the reader holds it, the next export takes a fresh one, and
+    both are freed once the reader let go."""
+    from gpu_probe import share_weights
+    from transformers import AutoConfig
+
+    from hpcrl.engines.rollout.static_cache import StaticCacheRollout
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")     # as WorkerHost sets it
+    producer, reader = share_weights(model_dir, tmp_path)
+    assert reader["shares_gpu"]
+    expected = StaticCacheRollout(AutoConfig.from_pretrained(model_dir), 0, [2], "cpu", torch.bfloat16)
+    for sent, got in zip(producer["bf16"], reader["states"], strict=True):
+        expected.load_weights(sent)
+        want = list(expected._tensors(expected.w))
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not all(torch.equal(a, b) for a, b in zip(*reader["states"]))     # the second load changed them
+    assert producer["held"] >= producer["bytes"] and producer["fresh"]
+    assert producer["left"] < 2**20
+
+
 @two_gpus
 def test_megatron_tp2_equals_tp1(model_dir, batch, tmp_path):
     from gpu_probe import run

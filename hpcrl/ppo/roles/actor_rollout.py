@@ -1,12 +1,15 @@
 """ActorRollout: the policy. Samples responses, recomputes their log-probs, takes PPO steps."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
 from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch, Weights
+from hpcrl.controller.device_weights import DeviceWeights, Placement, shares_gpu
 from hpcrl.ppo.config import PPOConfig
 from hpcrl.ppo.roles.common import local_share, make_train_engine, ppo_updates, seed_all
 from hpcrl.ppo.roles.rollout import Generates, make_rollout_engine
@@ -44,13 +47,17 @@ class ActorRollout(Generates, Checkpointed, Worker):
             self.policy_version = version
 
     @register(Dispatch.ALL_RANK_ZERO)
-    def export_weights(self, dtype: str | None = None) -> Weights | None:
+    def export_weights(self, dtype: str | None = None, to: Sequence[Placement] = ()) -> Weights | DeviceWeights | None:
         """The policy's parameters by HF name, for a separate rollout role's `load_weights`; floating
-        ones in `dtype` (the rollout's sampling dtype, Rollout.sampling_dtype), when given."""
+        ones in `dtype` (the rollout's sampling dtype, Rollout.sampling_dtype), when given. `to`: where
+        the rollout's ranks run (Rollout.placement); when all are on this rank's GPU the weights stay
+        on it (DeviceWeights), else they go through host memory (Weights)."""
         weights = self.engine.full_weights()      # every rank: gathering sharded weights is a collective
         if self.rank != 0:
             return None
         cast = getattr(torch, dtype) if dtype else None
+        if shares_gpu(Placement.of(self.device), to):
+            return DeviceWeights.export(weights, cast, self.device, readers=len(to))
         return Weights({k: v.detach().to(cast if cast and v.is_floating_point() else v.dtype).cpu()
                         for k, v in weights.items()})
 

@@ -1,10 +1,11 @@
 """Generation: the `Generates` half of ActorRollout, and `Rollout`, the same on its own role.
 
 With `rollout_role: true` generation runs in a `rollout` role on its own nodes (and partition),
-and the actor's weights reach it after every update through Ray's object store: the actor's rank
-0 puts one state dict in the dtype the rollout samples in (bf16 on a GPU: half of fp32's bytes), as
-numpy buffers that Ray moves out of band (`Weights`), and every rollout rank reads it (shared memory
-on its node). The object store,
+and the actor's rank 0 sends it one state dict after every update, in the dtype the rollout samples
+in (bf16 on a GPU: half of fp32's bytes). When every rollout rank runs on that rank's GPU (its own
+process on the same node) the weights stay on the device: CUDA IPC handles of one buffer
+(`DeviceWeights`). Otherwise they go through Ray's object store, as numpy buffers that Ray moves out
+of band (`Weights`), and every rollout rank reads them (shared memory on its node). Ray's objects,
 not a torch.distributed group, because the two roles live in separate WorkerGroups, possibly on
 separate hetjob components, and a group spanning them would tie their restarts together.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from hpcrl.controller import Dispatch, Worker, register
-from hpcrl.controller.batch import Batch
+from hpcrl.controller.batch import Batch, Weights
+from hpcrl.controller.device_weights import DeviceWeights, Placement
 from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
 from hpcrl.models import load_causal_lm
@@ -94,7 +96,15 @@ class Rollout(Generates, Worker):
         return str(self.rollout.dtype).removeprefix("torch.")
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def placement(self) -> Placement:
+        """Where this rank runs: the actor's weights stay on the GPU when every rank shares its rank 0's."""
+        return Placement.of(self.device)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_weights(self, weights: Weights | DeviceWeights, version: int) -> None:
         """The actor's weights after its update at step `version`."""
-        self.rollout.load_weights(weights)
+        if isinstance(weights, DeviceWeights):
+            weights.load(self.rollout.load_weights, self.rank, self.device)
+        else:
+            self.rollout.load_weights(weights)
         self.policy_version = version
