@@ -35,13 +35,14 @@ def spec_problems(spec: JobSpec) -> list[str]:
 
 
 def containers(spec: JobSpec) -> list:
-    """The containers of the spec's components (None where a component runs on the host)."""
-    return [spec.container_of(members[0]) for members in spec.component_roles()]
+    """The distinct containers of the spec's components (the job's once, each role's own)."""
+    boxes = (spec.container_of(members[0]) for members in spec.component_roles())
+    return list({b.source: b for b in boxes if b is not None}.values())
 
 
 def container_problems(spec: JobSpec) -> list[str]:
     """What the rest of the spec cannot do where a component runs in a container."""
-    boxes = list({b.source: b for b in containers(spec) if b is not None}.values())
+    boxes = containers(spec)
     problems = []
     if boxes and spec.bootstrap == "mpi":
         problems.append("bootstrap: mpi, but a component runs in a container, where the node tasks' MPI would have to "
@@ -252,5 +253,5 @@ def problems_before_submit(spec: JobSpec, job: HetJob, cluster: ClusterInfo | No
     if cluster is None:
         return found
     missing = PPOConfig.from_dict(spec.train).missing_paths() if spec.train else []
-    here = [p for b in {b.source: b for b in containers(spec) if b}.values() for p in b.problems_here(str(spec.run_dir))]
+    here = [p for b in containers(spec) for p in b.problems_here(str(spec.run_dir))]
     return found + run_dir_problems(spec) + missing + cluster.check(job) + here

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from hpcrl.job_env import JobEnv
 from hpcrl.slurm.container import Container
+from hpcrl.slurm.directives import control_characters
 from hpcrl.slurm.job import Component, Gres, HetJob, parse_mem_mb, parse_time_minutes
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -62,7 +63,7 @@ class ContainerSpec(BaseModel):
     @classmethod
     def _one_line(cls, v):
         for text in [v] if isinstance(v, str) else v:
-            if not text or any(ord(c) < 32 or ord(c) == 127 for c in text):
+            if not text or control_characters(text):
                 raise ValueError(f"{text!r}: give one non-empty line (no control characters)")
         return v
 
@@ -70,7 +71,7 @@ class ContainerSpec(BaseModel):
     @classmethod
     def _names(cls, v):
         bad = [k for k in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)] + \
-              [f"{k}={x!r}" for k, x in v.items() if any(ord(c) < 32 or ord(c) == 127 for c in x)]
+              [f"{k}={x!r}" for k, x in v.items() if control_characters(x)]
         if bad:
             raise ValueError(f"{bad}: names of letters, digits and '_' (not first), values of one line")
         return v
@@ -213,7 +214,7 @@ class JobSpec(BaseModel):
     @field_validator("run_dir")
     @classmethod
     def _run_dir(cls, v):
-        if any(ord(c) < 32 or ord(c) == 127 for c in str(v)):
+        if control_characters(str(v)):
             raise ValueError("a path with control characters (a newline, a NUL) cannot be a run directory")
         return v
 

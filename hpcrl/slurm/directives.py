@@ -48,8 +48,13 @@ class UnsafeValue(ValueError):
         super().__init__("\n".join(problems))
 
 
+def control_characters(text: str) -> list[str]:
+    """The control characters in text (a newline, a NUL, DEL, ...): none may stand in one line."""
+    return sorted({c for c in text if ord(c) < 32 or ord(c) == 127})
+
+
 def _control(text: str, field: str) -> str | None:
-    bad = sorted({c for c in text if ord(c) < 32 or ord(c) == 127})
+    bad = control_characters(text)
     if not bad:
         return None
     return (f"{field}: {text!r} holds control characters {bad} (a newline ends Slurm's header: what follows "

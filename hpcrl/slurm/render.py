@@ -35,7 +35,7 @@ def component_steps(job: HetJob) -> list[dict[str, str]]:
     batch shell); each in the component's container where it has one (hpcrl/slurm/container.py)."""
     run = f'"${JobEnv.var("run_dir")}"'
     out = []
-    for k, c in enumerate(job.components):
+    for c in job.components:
         box, python = c.container, job.python
         if box is None:
             steps = {"node": f"{python} -m hpcrl.raycluster node {run}", "wait": f"{python} -m hpcrl.raycluster wait {run}",
