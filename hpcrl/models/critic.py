@@ -39,7 +39,7 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids(attention_mask)).last_hidden_state
+                               position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
 

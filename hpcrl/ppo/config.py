@@ -189,6 +189,10 @@ class PPOConfig:
     """megatron: stages the layers are split into (must divide the layer count)"""
     precision: str = "auto"
     """"auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32" for the torch engine; megatron is bf16"""
+    compile: bool = True
+    """on GPUs, torch.compile the torch engine's decoder layers and the static-cache rollout's decode
+    step (fused norms, RoPE and activations: fewer, larger kernels; the first step pays the
+    compilation, tens of seconds per role). false: eager, e.g. for a model Inductor cannot compile"""
 
     # --- advantages and KL
     advantage: str = "gae"

@@ -1,10 +1,13 @@
-"""Rollout for Llama/Qwen2-shaped models with a preallocated KV cache; on CUDA each decode step is
-one CUDA-graph replay.
+"""Rollout for Llama/Qwen2-shaped models with a preallocated KV cache; on CUDA `check_every` decode
+steps, sampler included, are one CUDA-graph replay.
 
 Sampling one token for 64 sequences of a 0.5B model is a few hundred small kernels. Launched one by
-one from Python (HF `generate`) the GPU waits on the host; here the step's kernels are captured
-once into a graph and replayed, the cache has a fixed shape so the graph stays valid, and the host
-looks at the device only every `check_every` tokens (to stop when every row has stopped).
+one from Python (HF `generate`) the GPU waits on the host; here the model step is compiled (Inductor
+fuses the norms, RoPE and activations into few kernels), `check_every` steps of sampling and model
+are captured once into a graph and replayed, the cache has a fixed shape so the graph stays valid,
+and the host looks at the device once per replay (to stop when every row has stopped). The sampler
+draws its randomness outside the graph (sample_token's exponential race), so replays are seeded
+and deterministic.
 
 The engine holds its own copy of the weights in the sampling dtype (bf16 on GPU), fused per layer
 ([q|k|v], [gate|up]); `load_weights` copies new ones into the same storage, so captured graphs
@@ -16,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcrl.engines.base import SamplingParams
-from hpcrl.engines.rollout.torch_rollout import sample_loop
+from hpcrl.engines.rollout.torch_rollout import finish_responses, sample_next
 from hpcrl.models.shape import Shape, rope_theta
 
 SUPPORTED = ("llama", "qwen2")
@@ -27,7 +30,7 @@ class StaticCacheRollout:
     shares_module = False
 
     def __init__(self, config, pad_id: int, eos_ids: list[int], device: torch.device | str,
-                 dtype: torch.dtype | None = None, check_every: int = 32):
+                 dtype: torch.dtype | None = None, check_every: int = 32, compile: bool = True):
         if config.model_type not in SUPPORTED:
             raise ValueError(f"StaticCacheRollout supports {SUPPORTED}, not {config.model_type!r}")
         self.s = Shape.of(config)
@@ -37,12 +40,15 @@ class StaticCacheRollout:
         self.pad_id, self.eos_ids, self.check_every = pad_id, list(eos_ids), check_every
         d = self.s.head_dim
         inv_freq = 1.0 / rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        angles = torch.arange(config.max_position_embeddings, dtype=torch.float64)[:, None] * inv_freq
+        # a replay's steps past the last token may run past the model's positions: they are never kept
+        positions = config.max_position_embeddings + check_every
+        angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         self.cos = angles.cos().float().to(self.device)
         self.sin = angles.sin().float().to(self.device)
         self.w: dict | None = None
-        self.step_graphs: dict[tuple[int, int], tuple] = {}   # (batch, cache length) -> graph and its buffers
+        self.compile = compile
+        self.decoders: dict[tuple, tuple] = {}   # (batch, cache length, steps, sampling) -> decode run, its buffers
 
     # --- weights
     @torch.no_grad()
@@ -92,6 +98,11 @@ class StaticCacheRollout:
         s, (b, t) = self.s, ids.shape
         x = F.embedding(ids, self.w["embed"])
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
+        # The query heads that share a KV head attend as that head's group * t queries: each KV head's
+        # cache is read once, not copied for each of its query heads (as SDPA's enable_gqa does when
+        # a mask rules out its flash kernel). Query head i uses KV head i // group, as in HF.
+        group = s.heads // s.kv_heads
+        mask = mask.repeat(1, 1, group, 1)
         for layer, (kc, vc) in zip(self.w["layers"], cache):
             h = self._rms(x, layer["ln1"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
@@ -100,57 +111,77 @@ class StaticCacheRollout:
             k = self._rope(k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
             kc.index_copy_(2, slots, k)
             vc.index_copy_(2, slots, v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2))
-            o = F.scaled_dot_product_attention(q, kc[:, :, :keys], vc[:, :, :keys], attn_mask=mask, enable_gqa=True)
-            x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), layer["o"])
+            o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group * t, s.head_dim), kc[:, :, :keys],
+                                               vc[:, :, :keys], attn_mask=mask)
+            x = x + F.linear(o.reshape(b, s.heads, t, s.head_dim).transpose(1, 2).reshape(b, t, -1), layer["o"])
             g, u = F.linear(self._rms(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(g) * u, layer["down"])
         return F.linear(self._rms(x[:, -1], self.w["norm"]), self.w["lm_head"]).float()
 
-    def _buffers(self, b: int, length: int):
-        """The decode step for (b, length), with its static inputs; captured as a graph on CUDA."""
-        key = (b, length)
-        if key in self.step_graphs:
-            return self.step_graphs[key]
-        self.step_graphs.clear()     # one shape at a time: the cache is the big allocation
-        s, dev = self.s, self.device
+    def _decoder(self, b: int, length: int, steps: int, params: SamplingParams):
+        """`steps` decode steps for b rows and a cache of `length` columns, each: sample a token per row
+        from the logits in buf["logits"] (on the Exp(1) draws in buf["noise"]), record it, run the model
+        on it. On CUDA the whole run is one captured graph, its model step compiled by Inductor (fused
+        norms, RoPE and activations); it replays from any position, which lives on the device."""
+        key = (b, length, steps, params.temperature, params.top_k, params.top_p)
+        if key in self.decoders:
+            return self.decoders[key]
+        self.decoders.clear()     # one shape at a time: the cache is the big allocation
+        s, dev, v = self.s, self.device, self.w["lm_head"].shape[0]
         cache = [tuple(torch.zeros(b, s.kv_heads, length, s.head_dim, device=dev, dtype=self.dtype) for _ in "kv")
                  for _ in range(s.layers)]
-        buf = {"tok": torch.zeros(b, 1, dtype=torch.long, device=dev), "pos": torch.zeros(b, 1, dtype=torch.long, device=dev),
-               "slot": torch.zeros(1, dtype=torch.long, device=dev), "valid": torch.zeros(b, length, dtype=torch.bool, device=dev),
-               "cache": cache}
+        long = dict(dtype=torch.long, device=dev)
+        buf = {"pos": torch.zeros(b, 1, **long), "slot": torch.zeros(1, **long),
+               "valid": torch.zeros(b, length, dtype=torch.bool, device=dev), "cache": cache,
+               "logits": torch.zeros(b, v, device=dev), "done": torch.zeros(b, dtype=torch.bool, device=dev),
+               "noise": torch.ones(steps, b, v, device=dev) if params.temperature else [None] * steps,
+               "tokens": torch.zeros(b, steps, **long), "log_probs": torch.zeros(b, steps, device=dev)}
+        eos = torch.tensor(self.eos_ids, **long)
+        model_step = self._forward
+        if dev.type == "cuda" and self.compile:
+            model_step = torch.compile(self._forward, dynamic=False, fullgraph=True)
 
-        def step():
-            buf["valid"].index_fill_(1, buf["slot"], True)
-            return self._forward(buf["tok"], buf["pos"], buf["slot"], cache, length, buf["valid"][:, None, None, :])
+        def run():
+            for j in range(steps):
+                tok, logp = sample_next(buf["logits"], buf["noise"][j], buf["done"], params, self.pad_id, eos)
+                buf["tokens"][:, j] = tok
+                buf["log_probs"][:, j] = logp
+                buf["valid"].index_fill_(1, buf["slot"], True)
+                buf["logits"].copy_(model_step(tok[:, None], buf["pos"], buf["slot"], cache, length,
+                                               buf["valid"][:, None, None, :]))
+                buf["pos"] += 1
+                buf["slot"] += 1
 
         graph = None
         if dev.type == "cuda":
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):          # warm-up: cuBLAS handles and workspaces exist before capture
-                    step()
+            with torch.cuda.stream(side):     # compiles, and makes cuBLAS handles and workspaces, before capture
+                run()
             torch.cuda.current_stream().wait_stream(side)
-            buf["valid"].zero_()
+            buf["slot"].zero_()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                buf["logits"] = step()
-        self.step_graphs[key] = (graph, step, buf)
-        return self.step_graphs[key]
+                run()
+        self.decoders[key] = (graph.replay if graph is not None else run, buf)
+        return self.decoders[key]
 
     # --- sampling
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  seed: int) -> dict[str, torch.Tensor]:
-        """Same layout as TorchRollout.generate; rows are drawn by one generator seeded with `seed`."""
+        """Same layout as TorchRollout.generate; every row's draws come from one generator seeded with
+        `seed`. Decodes `check_every` tokens between looks at whether every row has stopped."""
         if self.w is None:
             raise RuntimeError("StaticCacheRollout.generate before load_weights")
         dev = self.device
         b, p = prompt_ids.shape
+        steps = min(self.check_every, params.max_new_tokens)
+        runs = -(-params.max_new_tokens // steps)
         # the cache's length rounded up, so that batches of slightly different prompt widths replay
         # one captured graph (the slots past the real tokens stay masked out)
-        length = -(-(p + params.max_new_tokens) // CACHE_ROUND) * CACHE_ROUND
-        graph, step, buf = self._buffers(b, length)
+        length = -(-(p + runs * steps) // CACHE_ROUND) * CACHE_ROUND
+        decode, buf = self._decoder(b, length, steps, params)
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev).bool()
         pos = (mask.long().cumsum(1) - 1).clamp_min(0)
         # prompt: causal over real tokens; a pad query sees itself only (never an empty row)
@@ -158,20 +189,18 @@ class StaticCacheRollout:
         attend = (causal & mask[:, None, :]) | torch.eye(p, dtype=torch.bool, device=dev)
         buf["valid"].zero_()
         buf["valid"][:, :p] = mask
-        logits = self._forward(ids, pos, torch.arange(p, device=dev), buf["cache"], p, attend[:, None])
+        buf["logits"].copy_(self._forward(ids, pos, torch.arange(p, device=dev), buf["cache"], p, attend[:, None]))
         buf["pos"].copy_(mask.long().sum(1, keepdim=True))
         buf["slot"].fill_(p)
-
-        def advance(tok):
-            buf["tok"].copy_(tok[:, None])
-            if graph is not None:
-                graph.replay()
-                out = buf["logits"]
-            else:
-                out = step()
-            buf["pos"] += 1
-            buf["slot"] += 1
-            return out
-
-        return sample_loop(logits, advance, params, torch.Generator(dev).manual_seed(seed), self.pad_id, self.eos_ids,
-                           self.check_every)
+        buf["done"].zero_()
+        generator = torch.Generator(dev).manual_seed(seed)
+        tokens, log_probs = [], []
+        for _ in range(runs):
+            if params.temperature:
+                buf["noise"].exponential_(generator=generator)
+            decode()
+            tokens.append(buf["tokens"].clone())
+            log_probs.append(buf["log_probs"].clone())
+            if bool(buf["done"].all()):
+                break
+        return finish_responses(torch.cat(tokens, 1), torch.cat(log_probs, 1), params, self.pad_id, self.eos_ids)

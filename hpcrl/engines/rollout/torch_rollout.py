@@ -24,45 +24,65 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+def sample_token(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor | None):
     """One token per row from the processed distribution, and its log-probability under it;
-    temperature 0: the most likely token (greedy), with its log-probability at temperature 1."""
+    temperature 0: the most likely token (greedy), with its log-probability at temperature 1.
+
+    `noise`: independent Exp(1) draws shaped like `logits` (None when greedy). argmax p/E is a
+    draw from p (the exponential race; Gumbel-max in another form): no host sync, no RNG state in the
+    kernel, so a CUDA graph can hold the whole sampler and replay it on noise drawn outside."""
     if params.temperature == 0:
         logp = torch.log_softmax(logits.float(), dim=-1)
         tok = logp.argmax(dim=-1)
         return tok, logp.gather(1, tok[:, None]).squeeze(1)
     probs = torch.softmax(filter_logits(logits.float() / params.temperature, params.top_k, params.top_p), dim=-1)
-    tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    tok = (probs / noise).argmax(dim=-1)
     return tok, torch.log(probs.gather(1, tok[:, None]).squeeze(1).clamp_min(1e-30))
 
 
+def draw_noise(shape, params: SamplingParams, generator: torch.Generator) -> torch.Tensor | None:
+    """The Exp(1) draws sample_token needs for `shape` (None when greedy)."""
+    if params.temperature == 0:
+        return None
+    return torch.empty(shape, device=generator.device).exponential_(generator=generator)
+
+
+def sample_next(logits: torch.Tensor, noise: torch.Tensor | None, done: torch.Tensor, params: SamplingParams,
+                pad_id: int, eos: torch.Tensor):
+    """One decode step's sampling for every row: (token, its log-prob); rows already stopped get
+    `pad_id`, and `done` (in place) marks the rows whose token is a stop token."""
+    tok, logp = sample_token(logits, params, noise)
+    tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+    done |= torch.isin(tok, eos)
+    return tok, logp
+
+
 def sample_loop(logits: torch.Tensor, advance, params: SamplingParams, generator: torch.Generator, pad_id: int,
-                eos_ids: list[int], check_every: int = 1) -> dict[str, torch.Tensor]:
-    """The sampling loop of every torch engine: one token per row from `logits`, pad after a row's
-    stop token, `advance(tokens)` -> the next logits; stops when every row has stopped (looked at
-    every `check_every` tokens: each look waits for the device)."""
+                eos_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The sampling loop of the HF-module engine: one token per row from `logits`, pad after a row's
+    stop token, `advance(tokens)` -> the next logits; stops when every row has stopped."""
     eos = torch.tensor(eos_ids, device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     tokens, logps = [], []
     for i in range(params.max_new_tokens):
-        tok, logp = sample_token(logits, params, generator)
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        tok, logp = sample_next(logits, draw_noise(logits.shape, params, generator), done, params, pad_id, eos)
         tokens.append(tok)
         logps.append(logp)
-        done |= torch.isin(tok, eos)
-        if i == params.max_new_tokens - 1 or ((i + 1) % check_every == 0 and bool(done.all())):
+        if i == params.max_new_tokens - 1 or bool(done.all()):
             break
         logits = advance(tok)
-    return finish_responses(tokens, logps, params, pad_id, eos_ids)
+    return finish_responses(torch.stack(tokens, dim=1), torch.stack(logps, dim=1), params, pad_id, eos_ids)
 
 
-def finish_responses(tokens: list[torch.Tensor], logps: list[torch.Tensor], params: SamplingParams, pad_id: int,
+def finish_responses(tokens: torch.Tensor, logps: torch.Tensor, params: SamplingParams, pad_id: int,
                      eos_ids: list[int]) -> dict[str, torch.Tensor]:
-    """Per-step tokens -> the (B, max_new_tokens) layout every engine returns, cut after the first stop."""
-    responses = torch.stack(tokens, dim=1).cpu()
-    pad = params.max_new_tokens - responses.shape[1]    # all stopped early: same width every call
+    """(B, n) sampled tokens and log-probs -> the (B, max_new_tokens) layout every engine returns,
+    cut after the first stop."""
+    n = params.max_new_tokens
+    responses, logp = tokens[:, :n].cpu(), logps[:, :n].float().cpu()
+    pad = n - responses.shape[1]     # all stopped early: same width every call
     responses = torch.nn.functional.pad(responses, (0, pad), value=pad_id)
-    logp = torch.nn.functional.pad(torch.stack(logps, dim=1).float().cpu(), (0, pad))
+    logp = torch.nn.functional.pad(logp, (0, pad))
     responses, response_mask, has_eos = truncate_at_eos(responses, eos_ids, pad_id)
     return {"responses": responses, "response_mask": response_mask, "has_eos": has_eos,
             "rollout_log_probs": logp * response_mask}

@@ -1,7 +1,8 @@
 """Training in plain torch (a TrainEngine): micro-batches with gradient accumulation, clipping, AdamW, warm-up LR,
 and data parallelism within a role: DDP on CPU (gloo), FSDP2 (`fully_shard`, one unit per decoder
 layer) on GPUs. On a GPU the forward runs under bf16 autocast (master weights and optimizer state
-stay fp32) with PyTorch's SDPA attention, and AdamW is the fused kernel.
+stay fp32) with PyTorch's SDPA attention, each decoder layer compiled by Inductor on one GPU
+(`compile`), and AdamW is the fused kernel.
 
 The engine is told what the role computes (`forward(module, micro_batch) -> {name: per-token
 tensor}`, e.g. response log-probs or values) and trains on a loss of those outputs, so roles never
@@ -61,24 +62,29 @@ class TorchTrainer:
     `out` is forward(module, micro_batch). cfg None: inference only (a frozen role)."""
 
     def __init__(self, module: torch.nn.Module, cfg: OptimConfig | None, forward: Forward,
-                 device: torch.device | str = "cpu", precision: str = "auto"):
+                 device: torch.device | str = "cpu", precision: str = "auto", compile: bool = True):
         self.cfg, self.forward = cfg, forward
         self.device = torch.device(device)
         self.bf16 = use_bf16(precision, self.device)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.module = module.to(self.device)
         self.sharded = self.world > 1 and self.device.type == "cuda" and cfg is not None
+        layers = [sub for sub in module.modules() if type(sub).__name__.endswith("DecoderLayer")]
         if self.sharded:
             from torch.distributed.fsdp import fully_shard
 
-            for sub in module.modules():
-                if type(sub).__name__.endswith("DecoderLayer"):
-                    fully_shard(sub)
+            for layer in layers:
+                fully_shard(layer)
             self.wrapped = fully_shard(module)
         elif self.world > 1 and cfg is not None:
             self.wrapped = torch.nn.parallel.DistributedDataParallel(module)
         else:
             self.wrapped = module
+        if compile and self.device.type == "cuda" and not self.sharded:
+            # in place: parameter names and state dicts stay as they are. Not under FSDP2, whose hooks
+            # the compiled layer would have to trace (untested here, where one GPU is all there is)
+            for layer in layers:
+                layer.compile()
         if cfg is None:
             module.requires_grad_(False)
             return

@@ -41,8 +41,8 @@ def make_train_engine(cfg: PPOConfig, model_dir: str, head: str, device: torch.d
     if head == "values":
         module, forward = ValueModel(model_dir), values_head
     else:
-        module, forward = load_causal_lm(model_dir), log_probs_head(cfg.temperature, with_entropy=lr is not None)
-    return TorchTrainer(module, optim, forward, device, cfg.precision)
+        module, forward = load_causal_lm(model_dir), log_probs_head(cfg.temperature, lr is not None, cfg.compile)
+    return TorchTrainer(module, optim, forward, device, cfg.precision, cfg.compile)
 
 
 def ppo_updates(engine, batch: Batch, cfg: PPOConfig, world_size: int, seed: list[int], loss_fn) -> dict:

@@ -35,7 +35,7 @@ def make_rollout_engine(cfg: PPOConfig, model_dir: str, rank: int, device: torch
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         if device.type == "cuda" and config.model_type in SUPPORTED:
-            engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device)
+            engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.compile)
             engine.load_weights(trainer.full_weights() if trainer is not None else load_causal_lm(model_dir).state_dict())
             return engine
         if trainer is not None and not hasattr(trainer, "module"):
