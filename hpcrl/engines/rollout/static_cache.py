@@ -98,11 +98,6 @@ class StaticCacheRollout:
         s, (b, t) = self.s, ids.shape
         x = F.embedding(ids, self.w["embed"])
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]
-        # The query heads that share a KV head attend as that head's group * t queries: each KV head's
-        # cache is read once, not copied for each of its query heads (as SDPA's enable_gqa does when
-        # a mask rules out its flash kernel). Query head i uses KV head i // group, as in HF.
-        group = s.heads // s.kv_heads
-        mask = mask.repeat(1, 1, group, 1)
         for layer, (kc, vc) in zip(self.w["layers"], cache):
             h = self._rms(x, layer["ln1"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
@@ -111,9 +106,8 @@ class StaticCacheRollout:
             k = self._rope(k.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2), cos, sin)
             kc.index_copy_(2, slots, k)
             vc.index_copy_(2, slots, v.view(b, t, s.kv_heads, s.head_dim).transpose(1, 2))
-            o = F.scaled_dot_product_attention(q.reshape(b, s.kv_heads, group * t, s.head_dim), kc[:, :, :keys],
-                                               vc[:, :, :keys], attn_mask=mask)
-            x = x + F.linear(o.reshape(b, s.heads, t, s.head_dim).transpose(1, 2).reshape(b, t, -1), layer["o"])
+            o = F.scaled_dot_product_attention(q, kc[:, :, :keys], vc[:, :, :keys], attn_mask=mask, enable_gqa=True)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, -1), layer["o"])
             g, u = F.linear(self._rms(x, layer["ln2"]), layer["gate_up"]).chunk(2, dim=-1)
             x = x + F.linear(F.silu(g) * u, layer["down"])
         return F.linear(self._rms(x[:, -1], self.w["norm"]), self.w["lm_head"]).float()
