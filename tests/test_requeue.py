@@ -55,11 +55,11 @@ def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
     assert_same_training(tmp_path / "once", tmp_path / "twice", 12)
 
 
-def short_spec(tmp_path, name, job="tiny-cpu.yaml", **overrides):
-    """A job of jobs/ for 40 steps, its critic data-parallel on both h100 nodes, writing its
+def short_spec(tmp_path, name, job="tiny-cpu.yaml", steps=40, **overrides):
+    """A job of jobs/ for `steps` steps, its critic data-parallel on both h100 nodes, writing its
     checkpoints with parallel HDF5 (the pipelined job's actor moves to a100 to make room)."""
     spec = yaml.safe_load((ROOT / "jobs" / job).read_text())
-    spec["train"].update(total_steps=40, progress=False, checkpoint_io="parallel")
+    spec["train"].update(total_steps=steps, progress=False, checkpoint_io="parallel")
     spec["roles"]["critic"]["nodes"] = 2
     if spec["roles"]["actor_rollout"]["partition"] == "h100":
         spec["roles"]["actor_rollout"].update(partition="a100", gpu_type="a100")
@@ -94,11 +94,13 @@ def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_
     critic on the host), preempted: the checkpoint taken on the signal holds the batch the rollout
     had generated ahead (with the weights before the checkpoint's), the job requeues, and the
     resumed run trains on it in its containers, ending bitwise as the run on the host did."""
-    spec = short_spec(tmp_path, "tiny", job="tiny-cpu-pipelined.yaml")
+    # 80 steps of about 0.4 s: the preemption (status, the urgent job, Slurm's signal: up to ~10 s on
+    # 2 busy cores) lands well before the end from any step it is started at
+    spec = short_spec(tmp_path, "tiny", job="tiny-cpu-pipelined.yaml", steps=80)
     once, twice = tmp_path / "once", tmp_path / "twice"
     job = submit(spec, once)
     wait_until(lambda: job_finished(job), 600, "uninterrupted run")
-    assert len(read_metrics(once / "metrics.jsonl")) == 40, slurm_log(once)
+    assert len(read_metrics(once / "metrics.jsonl")) == 80, slurm_log(once)
 
     job = submit(in_image(spec, image, ["actor_rollout", "ref"]), twice)
     at = random.Random().randint(5, 25)
@@ -114,12 +116,12 @@ def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_
     # each start's node tasks of the two components ran the image's interpreter
     assert slurm_log(twice).count("python /opt/venv/bin/python\n") == 4, slurm_log(twice)
     assert json.loads((twice / "allocation.json").read_text())["restart_count"] >= 1
-    assert_same_training(once, twice, 40)
+    assert_same_training(once, twice, 80)
     for run in (once, twice):
-        critic = json.loads((run / "ckpt" / "step_00000040" / "MANIFEST.json").read_text())["roles"]["critic"]
+        critic = json.loads((run / "ckpt" / "step_00000080" / "MANIFEST.json").read_text())["roles"]["critic"]
         assert critic["writer"] == "parallel HDF5, 2 ranks", critic
     st = status(twice)
-    assert st["job"]["restart_count"] >= 1 and st["run"]["state"] == "finished" and st["checkpoint"]["step"] == 40
+    assert st["job"]["restart_count"] >= 1 and st["run"]["state"] == "finished" and st["checkpoint"]["step"] == 80
     # the report of a real requeue: the restart is in the page, and the page renders its plots
     subprocess.run([sys.executable, "-m", "hpcrl", "report", str(twice)], cwd=ROOT, check=True, capture_output=True)
     page = (twice / "report" / "index.html").read_text()
