@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from gpu_ppo import (BANDWIDTH, BATCH, MICRO, PEAK, PROMPT, RESPONSE, decode_bytes, make_inputs,  # noqa: E402
                      model_flops)
 
+
 def timed(fn, repeats: int) -> float:
     import torch
 

@@ -218,7 +218,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             h = hidden[part].to(ctx.dtype)
             dz = logit_grads(h, w, labels[part], ctx.temperature, g[part], None if e is None else e[part], ent[part])
             if grad_h is not None:
-                grad_h[s:s + ctx.chunk] = dz @ w
+                grad_h[part] = dz @ w
             if grad_w is not None:
                 grad_w += dz.T @ h
         return grad_h, grad_w, None, None, None, None, None, None
