@@ -12,7 +12,7 @@ import yaml
 from conftest import ROOT, job_finished, job_records, sh, wait_until
 
 import hpcrl
-from hpcrl.raycluster.ports import SIZE, choose_block
+from hpcrl.raycluster.ports import block_starts, choose_block
 from hpcrl.slurm.render import render_hetjob
 from hpcrl.slurm.submit import HetjobExecutor
 
@@ -167,13 +167,16 @@ def test_mpi_asked_for_without_mpi4py_is_refused_before_submission(slurm_cluster
                      r'"\$HPCRL_RUN_DIR" : --het-group=1 --nodes=1 .* : --het-group=2 --nodes=1 ', script)
 
 
-def test_port_blocks_of_one_job_never_overlap_and_skip_busy_ports():
+def test_port_blocks_of_one_job_never_overlap_skip_busy_ports_and_the_ephemeral_range():
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    starts = block_starts()
+    assert starts and all(s + 200 <= low or s > high for s in starts)   # blocks are SIZE (200) ports
     blocks = [choose_block("77", k, 4).start for k in range(4)]
     assert len(set(blocks)) == 4
     with socket.socket() as s:
         s.bind(("0.0.0.0", blocks[1] + 5))  # one busy port in node 1's block
         moved = choose_block("77", 1, 4).start
-    assert moved not in blocks and (moved - blocks[1]) % (4 * SIZE) == 0
+    assert moved not in blocks and (starts.index(moved) - starts.index(blocks[1])) % 4 == 0
 
 
 def test_local_mode_advertises_every_role(tmp_path):

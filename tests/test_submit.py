@@ -83,6 +83,23 @@ def test_submitit_path_returns_the_function_result(slurm_cluster, tmp_path):
     check_components(sjob.job_id)
 
 
+def test_a_submitit_job_that_fails_before_its_function_shows_why(slurm_cluster, tmp_path):
+    """The function never runs when the job's Ray cluster does not come up; submitit's error then
+    shows the batch script's log, not only 'no output/error stream produced'."""
+    import submitit
+
+    from hpcrl.slurm.submit import HetjobExecutor
+
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'this python is broken' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    job = hpcrl.load_spec(TINY, run_dir=tmp_path / "run").to_hetjob(python=str(broken))
+    sjob = HetjobExecutor(job).submit(where_am_i, 21)
+    with pytest.raises(submitit.core.utils.UncompletedJobError) as e:
+        sjob.result()
+    assert "state: FAILED" in str(e.value) and "this python is broken" in str(e.value), str(e.value)
+
+
 def test_submitit_via_cli(slurm_cluster, tmp_path):
     ray_only = spec_file(tmp_path, train={})     # without training, submitit runs its default function
     out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(ray_only), "--via", "submitit", "--wait",

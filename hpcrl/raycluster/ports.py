@@ -5,13 +5,20 @@ sharing a node, or the local cluster's virtual nodes) need disjoint ports even w
 Each node takes a block of SIZE ports: the block its job id and node index point at, or the next
 free one at a stride of the job's node count, so that two nodes of one job never probe the same
 block while the other is still starting. Every port Ray's Slurm caveats list is in the block.
+
+Blocks lie outside the host's ephemeral range (ip_local_port_range): a port there that is free when
+checked can become the source port of any outgoing connection before Ray binds it, and two Ray
+clusters on one host make thousands of such connections.
 """
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
-BASE, SIZE, BLOCKS = 20000, 200, 200  # ports 20000-59999
+BASE, TOP, SIZE = 20000, 65536, 200  # blocks of SIZE ports in [BASE, TOP)
+EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 WORKERS_FROM = 10  # offsets 10..SIZE-1 are the worker ports
 
 
@@ -44,11 +51,20 @@ def _free(port: int) -> bool:
             return False
 
 
+@cache
+def block_starts() -> tuple[int, ...]:
+    """The first port of every block on this host: in [BASE, TOP), clear of the ephemeral range."""
+    low, high = map(int, EPHEMERAL.read_text().split()) if EPHEMERAL.exists() else (32768, 60999)
+    return tuple(s for s in range(BASE, TOP - SIZE + 1, SIZE) if s + SIZE <= low or s > high)
+
+
 def choose_block(job_id: str, node_index: int, n_nodes: int) -> PortBlock:
     """The first block of this node's sequence whose every port is free on this host."""
+    starts = block_starts()
     first = int(job_id) * 8 + node_index
-    for k in range(BLOCKS):
-        start = BASE + ((first + k * n_nodes) % BLOCKS) * SIZE
+    for k in range(len(starts)):
+        start = starts[(first + k * n_nodes) % len(starts)]
         if all(_free(p) for p in range(start, start + SIZE)):
             return PortBlock(start)
-    raise RuntimeError(f"no free block of {SIZE} ports in {BASE}-{BASE + SIZE * BLOCKS - 1} on this host")
+    raise RuntimeError(f"no free block of {SIZE} ports in {BASE}-{TOP - 1} outside the ephemeral range "
+                       f"({EPHEMERAL}) on this host")

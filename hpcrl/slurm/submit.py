@@ -178,6 +178,16 @@ class HetjobSubmititWatcher(SlurmInfoWatcher):
 class HetjobSubmititJob(SlurmJob):
     watcher = HetjobSubmititWatcher(delay_s=600)
 
+    def stderr(self) -> str | None:
+        """The function's stderr or, where the function never ran (the job failed in its batch
+        shell, say a Ray node that never joined), the batch script's log, which says why: submitit
+        shows it when a job ends without a result."""
+        own = super().stderr()
+        if own is not None:
+            return own
+        batch_log = RunDir(self.paths.folder.parent).slurm_log(self.job_id)
+        return batch_log.read_text(errors="replace") if batch_log.exists() else None
+
 
 class HetjobExecutor(submitit.SlurmExecutor):
     """A submitit executor whose jobs are hpcrl hetjobs: the function runs as one task in
