@@ -143,9 +143,12 @@ class _NodeTask:
                f"--num-cpus={cpus}", f"--num-gpus={len(gpus)}",
                f"--object-store-memory={max(80, mem_mb * 3 // 10) * 1024 * 1024}",
                f"--resources={node_resources(me['members'])}", f"--labels={node_labels(self.cluster, me)}",
-               f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *ports.ray_start_args(head)]
+               f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *ports.ray_start_args(head),
+               # no driver reads workers' output (each rank logs to its own file): no log monitor
+               "--include-log-monitor=false"]
         if head:
-            cmd += ["--head", "--include-dashboard=false", "--dashboard-host=127.0.0.1"]
+            # a Slurm allocation does not autoscale: no autoscaler monitor (as KubeRay's heads)
+            cmd += ["--head", "--include-dashboard=false", "--dashboard-host=127.0.0.1", "--no-monitor"]
         else:
             cmd += [f"--address={self.cluster['address']}"]
         return cmd, env

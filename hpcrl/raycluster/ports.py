@@ -25,7 +25,9 @@ WORKERS_FROM = 10  # offsets 10..SIZE-1 are the worker ports
 # `ray start` flag -> offset in the block; worker ports are offsets WORKERS_FROM..SIZE-1
 NODE_PORTS = {"node-manager-port": 1, "object-manager-port": 2, "dashboard-agent-listen-port": 3,
               "dashboard-agent-grpc-port": 4, "metrics-export-port": 5, "runtime-env-agent-port": 6}
-HEAD_PORTS = {"port": 0, "dashboard-port": 7}  # GCS and the (minimal) dashboard head
+# GCS, the (minimal) dashboard head and Ray Client's server, which gRPC binds with SO_REUSEPORT: on
+# its default 10001, two jobs' heads on one host would share it
+HEAD_PORTS = {"port": 0, "dashboard-port": 7, "ray-client-server-port": 8}
 
 
 @dataclass
