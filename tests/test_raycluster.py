@@ -177,6 +177,10 @@ def test_port_blocks_of_one_job_never_overlap_skip_busy_ports_and_the_ephemeral_
         s.bind(("0.0.0.0", blocks[1] + 5))  # one busy port in node 1's block
         moved = choose_block("77", 1, 4).start
     assert moved not in blocks and (starts.index(moved) - starts.index(blocks[1])) % 4 == 0
+    # every port a head binds is in its block, Ray Client's server's too (this venv has grpc; the
+    # container test's image has not, and there `ray start` must not be given the port)
+    head = dict(a[2:].split("=") for a in choose_block("77", 0, 4).ray_start_args(head=True))
+    assert "ray-client-server-port" in head and all(blocks[0] <= int(p) < blocks[0] + 200 for p in head.values())
 
 
 def test_local_mode_advertises_every_role(tmp_path):

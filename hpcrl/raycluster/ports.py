@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from functools import cache
+from importlib.util import find_spec
 from pathlib import Path
 
 BASE, TOP, SIZE = 20000, 65536, 200  # blocks of SIZE ports in [BASE, TOP)
@@ -25,9 +26,11 @@ WORKERS_FROM = 10  # offsets 10..SIZE-1 are the worker ports
 # `ray start` flag -> offset in the block; worker ports are offsets WORKERS_FROM..SIZE-1
 NODE_PORTS = {"node-manager-port": 1, "object-manager-port": 2, "dashboard-agent-listen-port": 3,
               "dashboard-agent-grpc-port": 4, "metrics-export-port": 5, "runtime-env-agent-port": 6}
-# GCS, the (minimal) dashboard head and Ray Client's server, which gRPC binds with SO_REUSEPORT: on
-# its default 10001, two jobs' heads on one host would share it
-HEAD_PORTS = {"port": 0, "dashboard-port": 7, "ray-client-server-port": 8}
+HEAD_PORTS = {"port": 0, "dashboard-port": 7}  # GCS and the (minimal) dashboard head
+# Ray Client's server: a head runs it where grpc is installed (ray[client]), by default on 10001,
+# which gRPC binds with SO_REUSEPORT, so two jobs' heads on one host would share it. Where grpc is
+# missing (a lean image), no server runs and `ray start` refuses the flag.
+CLIENT_PORT = {"ray-client-server-port": 8}
 
 
 @dataclass
@@ -39,7 +42,9 @@ class PortBlock:
         return self.start + HEAD_PORTS["port"]
 
     def ray_start_args(self, head: bool) -> list[str]:
-        flags = {**NODE_PORTS, **(HEAD_PORTS if head else {})}
+        # called in the interpreter that runs `ray start`: its packages decide
+        client = CLIENT_PORT if head and find_spec("grpc") else {}
+        flags = {**NODE_PORTS, **(HEAD_PORTS if head else {}), **client}
         return [f"--{flag}={self.start + off}" for flag, off in flags.items()] + [
             f"--min-worker-port={self.start + WORKERS_FROM}", f"--max-worker-port={self.start + SIZE - 1}"]
 
