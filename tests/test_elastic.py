@@ -18,7 +18,9 @@ from test_requeue import assert_same_training
 from hpcrl.job import load_spec
 from hpcrl.launch.driver import write_local_spec
 from hpcrl.launch.scale import elastic_problem
-from hpcrl.observe.status import read_events
+from hpcrl.observe.overview import format_status, gather_status
+from hpcrl.observe.status import RunStatus, read_events
+from hpcrl.ppo.context import RunContext
 from hpcrl.raycluster.node import token_problem
 
 ELASTIC = ROOT / "jobs" / "tiny-cpu-elastic.yaml"
@@ -228,3 +230,31 @@ def test_which_roles_scale_and_the_token_a_satellite_accepts(tmp_path):
     os.chown(token, 65534, 65534)
     assert "belongs to uid 65534" in token_problem(token)
     assert "cannot read the run's Ray token" in token_problem(tmp_path / "missing")
+
+
+def test_satellites_that_joined_before_a_role_started_are_said_as_its_resize(tmp_path, capsys):
+    """A start may find its satellites joined before the elastic group was built (the test above
+    cannot choose which happens): the group starts with their ranks, and events and log say so
+    as the resize it would have been a step later. The groups stand in for WorkerGroup.describe()."""
+    class Group:
+        def __init__(self, elastic, origins):
+            self.elastic, self.origins = elastic, origins
+
+        def describe(self):
+            return {"ranks": [{"origin": o, "node": n} for o, n in self.origins]}
+
+    ctx = object.__new__(RunContext)
+    ctx.status = RunStatus(tmp_path, 60)
+    ctx.groups = {"actor_rollout": Group(False, [("component 0", "a100n1")]),
+                  "ref": Group(True, [("component 1", "cpun1")]),
+                  "reward": Group(True, [("component 1", "cpun1"), ("satellite 10", "cpun1"),
+                                         ("satellite 10", "cpun1"), ("satellite 11", "cpun2")])}
+    ctx._satellites_at_start(2)
+    [event] = [e for e in read_events(tmp_path) if e["event"] == "resize"]
+    assert {k: event[k] for k in ("role", "step", "from", "to", "nodes")} == {
+        "role": "reward", "step": 2, "from": 1, "to": 4,
+        "nodes": ["cpun1 (component 1)", "cpun1 (satellite 10)", "cpun2 (satellite 11)"]}
+    assert event["why"] == ("satellite 10 joined (cpun1) before the role started; "
+                            "satellite 11 joined (cpun2) before the role started")
+    assert "role reward: satellite 10 joined (cpun1) before the role started; " in capsys.readouterr().out
+    assert "resize at step 2: reward 1 -> 4 ranks" in format_status(gather_status(tmp_path))

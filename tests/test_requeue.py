@@ -155,7 +155,7 @@ def test_time_limit_checkpoints_and_requeues_until_max_restarts(time_limited_job
     wait_until(lambda: job_finished(job), 600, "two time-limited runs")
     log = slurm_log(run)
     assert log.count("checkpoint committed") == 2, log
-    assert f"requeued job {job} after a checkpoint (restart 1 of at most 1" in log
+    assert f"requeueing job {job} after a checkpoint (restart 1 of at most 1" in log
     assert "resumed from checkpoint step" in log
     assert "not requeued: restart count 1 has reached max_restarts 1" in log
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]

@@ -107,7 +107,7 @@ def test_a_sweep_runs_every_combination_and_a_cancelled_run_resumes(sweep_dir):
     assert 1 <= stopped_at < 12 and f"checkpoint: step {stopped_at};" in out.stdout, out.stdout
     assert hpcrl("ckpt", "verify", str(first), str(stopped_at)).returncode == 0
     log = "".join(p.read_text() for p in (first / "logs").glob("slurm-*.out"))
-    assert "not requeued: hpcrl cancel asked" in log and "requeued job" not in log, log
+    assert "not requeued: hpcrl cancel asked" in log and "requeueing job" not in log, log
 
     # its resubmission continues from that checkpoint while the sweep goes on
     out = hpcrl("submit", str(first / "spec.yaml"), "--resume", "--wait")

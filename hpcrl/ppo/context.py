@@ -158,6 +158,7 @@ class RunContext:
         found = self.checkpoints.resume()
         if found is None:
             self.status.event("start", step=0, resumed=False, total_steps=self.cfg.total_steps)
+            self._satellites_at_start(0)
             return None
         step, state, nbytes, inflight = found
         state = dict(state)
@@ -168,7 +169,21 @@ class RunContext:
               f"{size_rate(nbytes, time.perf_counter() - t0, 'read')}"
               + (f"; batches of steps {ahead} were generated ahead" if ahead else ""), flush=True)
         self.status.event("start", step=step, resumed=True, total_steps=self.cfg.total_steps)
+        self._satellites_at_start(step)
         return Resumed(step, state, list(inflight))
+
+    def _satellites_at_start(self, step: int) -> None:
+        """An elastic role whose satellites joined before its group was built starts with their
+        ranks; said as the resize it would have been a step later, so events and status show every join."""
+        for role, wg in self.groups.items():
+            ranks = wg.describe()["ranks"] if wg.elastic else []
+            own = sum(not r["origin"].startswith("satellite") for r in ranks)
+            if own < len(ranks):
+                nodes = list(dict.fromkeys((r["origin"], r["node"]) for r in ranks))
+                why = "; ".join(f"{origin} joined ({node}) before the role started"
+                                for origin, node in nodes if origin.startswith("satellite"))
+                self._resize_listener(role)({"from": own, "to": len(ranks), "why": why, "seconds": 0.0,
+                                             "nodes": [f"{node} ({origin})" for origin, node in nodes]}, step)
 
     def checkpoint(self, step: int, state: dict | None = None, *, background: bool = False,
                    inflight: list = ()) -> None:
@@ -243,10 +258,11 @@ class RunContext:
             was[0] = state
         return changed
 
-    def _resize_listener(self, role: str) -> Callable[[dict], None]:
-        """Says in events.jsonl and the log when an elastic role took or lost nodes."""
-        def resized(info: dict) -> None:
-            self.status.event("resize", role=role, step=self.status.doc["step"], **info)
+    def _resize_listener(self, role: str) -> Callable[..., None]:
+        """Says in events.jsonl and the log when an elastic role took or lost nodes (at the step in
+        progress, or at `step`)."""
+        def resized(info: dict, step: int | None = None) -> None:
+            self.status.event("resize", role=role, step=self.status.doc["step"] if step is None else step, **info)
             print(f"{now()} role {role}: {info['why']}: {info['from']} -> {info['to']} ranks "
                   f"({info['seconds']:.2f} s)", flush=True)
         return resized

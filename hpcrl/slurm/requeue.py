@@ -56,15 +56,15 @@ def after(rc: int) -> int:
         print(f"[hpcrl] not requeued: restart count {count} has reached max_restarts {limit}; the run stopped at "
               f"its last checkpoint (continue it with hpcrl submit --resume)", flush=True)
         return 0
+    stop = RunDir(env.run_dir).stop
+    since = f", {time.time() - stop.stat().st_mtime:.2f} s after Slurm's signal" if stop.exists() else ""
+    # said before, not after: Slurm may kill this batch shell as soon as the requeue is accepted
+    print(f"[hpcrl] requeueing job {job} after a checkpoint (restart {count + 1} of at most {limit}{since})", flush=True)
     try:
         slurm_cmd("scontrol", "requeue", job)
     except SlurmCommandError as e:
         # a preempted job is requeued by Slurm itself (PreemptMode=REQUEUE); ours then comes too late
         print(f"[hpcrl] scontrol requeue {job} refused ({e}); Slurm requeues a preempted job itself", flush=True)
-        return 0
-    stop = RunDir(env.run_dir).stop
-    since = f", {time.time() - stop.stat().st_mtime:.2f} s after Slurm's signal" if stop.exists() else ""
-    print(f"[hpcrl] requeued job {job} after a checkpoint (restart {count + 1} of at most {limit}{since})", flush=True)
     return 0
 
 
