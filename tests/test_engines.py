@@ -126,6 +126,25 @@ def test_chunked_head_equals_the_full_logits_with_gradients(tied, monkeypatch):
         assert rel(g, w) < 1e-5
 
 
+def test_chunked_head_of_bf16_weights_sums_its_weight_gradient_in_fp32():
+    """head_log_probs on bf16 hidden states and weight (megatron-core's parameters), 256 positions
+    in 32 chunks: log-probs, entropy and both gradients against fp64 full logits of the same inputs,
+    within one bf16 rounding (the weight gradient's 32 chunk products summed in fp32, cast once)."""
+    torch.manual_seed(5)
+    h = torch.randn(256, 64, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(500, 64) / 8).to(torch.bfloat16).requires_grad_()
+    y, g, e, t = torch.randint(0, 500, (256,)), torch.randn(256), torch.randn(256), 0.7
+    logp, ent = causal_lm.head_log_probs(h, w, y, t, with_entropy=True, chunk_tokens=8)
+    grad_h, grad_w = torch.autograd.grad((logp * g).sum() + (ent * e).sum(), [h, w])
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    lp = torch.log_softmax(h64 @ w64.T / t, -1)
+    want_logp, want_ent = lp.gather(1, y[:, None]).squeeze(1), -(lp.exp() * lp).sum(-1)
+    want_h, want_w = torch.autograd.grad((want_logp * g).sum() + (want_ent * e).sum(), [h64, w64])
+    assert grad_w.dtype == grad_h.dtype == torch.bfloat16 and logp.dtype == ent.dtype == torch.float32
+    for got, want in [(logp, want_logp), (ent, want_ent), (grad_h, want_h), (grad_w, want_w)]:
+        assert rel(got.double(), want) < 5e-3, rel(got.double(), want)   # bf16 sums: 7e-3 for the weight
+
+
 @pytest.mark.parametrize("tp,pp,tied", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, False)])
 def test_megatron_layout_round_trips(tp, pp, tied):
     torch.manual_seed(1)

@@ -5,7 +5,9 @@ optimizer and micro-batch schedules.
 The model is built from the role's HF config and loaded from its HF weights
 (`megatron_layout.to_megatron`); `full_weights()` gives them back in HF names, so the rollout
 engine, the reference and the checkpoints keep one format. The critic is the same GPTModel with
-its output layer replaced by the scalar value head.
+its output layer replaced by the scalar value head. Attention runs through PyTorch's SDPA
+(`megatron_attention.py`), and on one tensor-parallel rank the log-probs come from the chunked
+head of `hpcrl.models.causal_lm` (`head_log_probs`): no fp32 logits over the whole vocabulary.
 
 Data: the driver's DP_COMPUTE dispatch cuts a batch into one shard per rank, but the ranks of one
 model-parallel group (TP × PP) must see the same samples. Each call gathers the shards of its group
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.train.megatron_layout import to_hf, to_megatron
 from hpcrl.engines.train.torch_trainer import OptimConfig, all_sum, lr_factor
-from hpcrl.models.causal_lm import position_ids
+from hpcrl.models.causal_lm import head_log_probs, position_ids
 from hpcrl.models.shape import Shape, rope_theta
 
 
@@ -88,8 +90,12 @@ class MegatronEngine:
             calculate_per_token_loss=True,     # our loss is already each piece's share: megatron must not rescale it
             # stages exchange activations of each micro-batch's own shape (the last may be smaller)
             variable_seq_lengths=pipeline_parallel > 1, moe_token_dispatcher_type="alltoall")
+        from hpcrl.engines.train.megatron_attention import SdpaAttention
+
         values = head == "values"
-        model = GPTModel(self.config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=s.padded_vocab(self.tp),
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        model = GPTModel(self.config, spec, vocab_size=s.padded_vocab(self.tp),
                          max_sequence_length=hf_config.max_position_embeddings, pre_process=self.first,
                          post_process=self.last, share_embeddings_and_output_weights=s.tied and not values,
                          position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)))
@@ -170,6 +176,11 @@ class MegatronEngine:
         h = hidden_states[-r - 1:-1]
         if self.head == "values":
             return output_layer(h).float().transpose(0, 1)
+        if self.tp == 1:      # the whole vocabulary here: chunked, never all fp32 logits at once
+            x = h.transpose(0, 1).reshape(-1, h.shape[-1])
+            weight = output_layer.weight if output_weight is None else output_weight
+            logp, ent = head_log_probs(x, weight, mb["responses"].reshape(-1), self.temperature, True, compile=True)
+            return torch.stack([logp, ent], dim=-1).view(-1, r, 2)
         logits, _ = output_layer(h, weight=output_weight)
         logits = logits.float().transpose(0, 1) / self.temperature
         width = logits.shape[-1]
@@ -191,9 +202,12 @@ class MegatronEngine:
             mb = next(data)
             mask = mb["attention_mask"].bool()
             s = mask.shape[1]
-            causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
-            masked = ~(causal[None] & mask[:, None, :])       # megatron: True = may not attend
-            out = model(mb["input_ids"], position_ids(mask), masked[:, None], output_processor=partial(self._output, mb))
+            masked = None         # no padding: SdpaAttention's causal kernel
+            if not bool(mask.all()):
+                causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
+                # megatron's sense: True = may not attend; a pad query sees itself (never an empty row)
+                masked = ~((causal[None] & mask[:, None, :]) | torch.eye(s, dtype=torch.bool, device=mask.device))[:, None]
+            out = model(mb["input_ids"], position_ids(mask), masked, output_processor=partial(self._output, mb))
             return out, partial(finish, mb)
 
         def finish(mb, out):
