@@ -210,3 +210,20 @@ def test_node_tasks_of_one_mpi_step_see_their_own_component():
     assert resolve("poll", "pmix") == ("poll", "bootstrap: poll")
     with pytest.raises(ValueError, match="bootstrap: 'sometimes' is not one of poll, mpi, auto"):
         resolve("sometimes", "pmix")
+
+
+def test_the_barrier_reads_only_failures_written_whole(tmp_path):
+    """A node that fails writes its reason under a dot name and renames it into place (the batch
+    script's hpcrl_in, the node's atomic write): the barrier, polling every 10 ms, must not take a
+    file still being written for a failure without a reason (seen once in CI: "a node failed (h100n1: )")."""
+    from hpcrl.raycluster.session import _failures
+    from hpcrl.run_dir import RunDir
+
+    failed = RunDir(tmp_path).ray_failed
+    failed.mkdir(parents=True)
+    (failed / ".h100n1").write_text("")                       # tee has opened it, not yet written
+    (failed / ".cpun1.tmp123").write_text("[hpcrl] half")      # atomic_write_text's temporary name
+    assert _failures(tmp_path) is None
+    (failed / ".h100n1").write_text("[hpcrl] node h100n1: the image /x (for ch-run) does not exist there\n")
+    (failed / ".h100n1").rename(failed / "h100n1")
+    assert _failures(tmp_path) == "h100n1: [hpcrl] node h100n1: the image /x (for ch-run) does not exist there\n"

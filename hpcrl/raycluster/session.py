@@ -102,7 +102,9 @@ def connect(run_dir: str | Path, **init_kwargs):
 
 
 def _failures(run_dir: Path) -> str | None:
-    failed = sorted(RunDir(run_dir).ray_failed.glob("*"))
+    """What the nodes that failed wrote (each renames its file into place whole; a name starting
+    with a dot is one still being written)."""
+    failed = sorted(RunDir(run_dir).ray_failed.glob("[!.]*"))
     if not failed:
         return None
     return "; ".join(f"{f.name}: {f.read_text()}" for f in failed)
