@@ -145,6 +145,31 @@ def test_chunked_head_of_bf16_weights_sums_its_weight_gradient_in_fp32():
         assert rel(got.double(), want) < 5e-3, rel(got.double(), want)   # bf16 sums: 7e-3 for the weight
 
 
+def test_megatron_sdpa_attention_equals_masked_softmax_attention():
+    """megatron_attention's SDPA path against attention written out in fp64 (scores, megatron's mask
+    as -inf, softmax, values), in megatron's [s, b, heads, d] layout with 4 query heads on 2 KV heads:
+    left-padded rows (a pad query sees itself) and, without padding, the causal kernel (mask None)."""
+    from hpcrl.engines.train.megatron_attention import attention_mask, sdpa_attention
+
+    torch.manual_seed(6)
+    s, b, d, scale = 7, 3, 16, 0.3
+    q, k, v = torch.randn(s, b, 4, d), torch.randn(s, b, 2, d), torch.randn(s, b, 2, d)
+    rows = torch.ones(b, s, dtype=torch.long)
+    rows[1, :2] = rows[2, :5] = 0
+
+    def reference(masked):
+        qh, kh, vh = (x.double().permute(1, 2, 0, 3) for x in (q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)))
+        scores = (qh @ kh.transpose(-1, -2) * scale).masked_fill(masked, float("-inf"))
+        return (scores.softmax(-1) @ vh).permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    masked = attention_mask(rows)
+    assert masked.shape == (b, 1, s, s) and not masked[2, 0, 1, 1] and masked[2, 0, 1, 0]   # a pad query: itself only
+    assert rel(sdpa_attention(q, k, v, masked, scale).double(), reference(masked)) < 1e-6
+    assert attention_mask(torch.ones(b, s)) is None
+    causal = ~torch.ones(s, s, dtype=torch.bool).tril()
+    assert rel(sdpa_attention(q, k, v, None, scale).double(), reference(causal)) < 1e-6
+
+
 @pytest.mark.parametrize("tp,pp,tied", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, False)])
 def test_megatron_layout_round_trips(tp, pp, tied):
     torch.manual_seed(1)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpcrl.controller.batch import Batch
+from hpcrl.engines.train.megatron_attention import attention_mask, sdpa_core_attention
 from hpcrl.engines.train.megatron_layout import to_hf, to_megatron
 from hpcrl.engines.train.torch_trainer import OptimConfig, all_sum, lr_factor
 from hpcrl.models.causal_lm import head_log_probs, position_ids
@@ -90,11 +91,9 @@ class MegatronEngine:
             calculate_per_token_loss=True,     # our loss is already each piece's share: megatron must not rescale it
             # stages exchange activations of each micro-batch's own shape (the last may be smaller)
             variable_seq_lengths=pipeline_parallel > 1, moe_token_dispatcher_type="alltoall")
-        from hpcrl.engines.train.megatron_attention import SdpaAttention
-
         values = head == "values"
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
         model = GPTModel(self.config, spec, vocab_size=s.padded_vocab(self.tp),
                          max_sequence_length=hf_config.max_position_embeddings, pre_process=self.first,
                          post_process=self.last, share_embeddings_and_output_weights=s.tied and not values,
@@ -200,14 +199,9 @@ class MegatronEngine:
 
         def step(data, model):
             mb = next(data)
-            mask = mb["attention_mask"].bool()
-            s = mask.shape[1]
-            masked = None         # no padding: SdpaAttention's causal kernel
-            if not bool(mask.all()):
-                causal = torch.ones(s, s, dtype=torch.bool, device=mask.device).tril()
-                # megatron's sense: True = may not attend; a pad query sees itself (never an empty row)
-                masked = ~((causal[None] & mask[:, None, :]) | torch.eye(s, dtype=torch.bool, device=mask.device))[:, None]
-            out = model(mb["input_ids"], position_ids(mask), masked, output_processor=partial(self._output, mb))
+            mask = mb["attention_mask"]
+            out = model(mb["input_ids"], position_ids(mask), attention_mask(mask),
+                        output_processor=partial(self._output, mb))
             return out, partial(finish, mb)
 
         def finish(mb, out):
