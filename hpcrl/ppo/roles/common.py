@@ -37,7 +37,7 @@ def make_train_engine(cfg: PPOConfig, model_dir: str, head: str, device: torch.d
             raise RuntimeError(f"train.train_engine: megatron, but megatron-core does not import here ({e}); "
                                "install `hpcrl[megatron]` on the GPU nodes, or use train_engine: torch") from e
         return MegatronEngine(model_dir, head, optim, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.temperature,
-                              cfg.seed)
+                              cfg.seed, cfg.compile)
     if head == "values":
         module, forward = ValueModel(model_dir), values_head
     else:
