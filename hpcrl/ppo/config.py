@@ -190,9 +190,10 @@ class PPOConfig:
     precision: str = "auto"
     """"auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32" for the torch engine; megatron is bf16"""
     compile: bool = True
-    """on GPUs, torch.compile the decoder layers of the torch engine (and of megatron on one GPU:
-    no TP or PP) and the static-cache rollout's decode step (fused norms, RoPE and activations: fewer, larger kernels; the first step pays the
-    compilation, tens of seconds per role). false: eager, e.g. for a model Inductor cannot compile"""
+    """on GPUs, torch.compile the decoder layers of the torch engine (not under FSDP2) and of
+    megatron (without TP or PP), and the static-cache rollout's decode step (fused norms, RoPE and
+    activations: fewer, larger kernels; the first step pays the compilation, tens of seconds per
+    role). false: eager, e.g. for a model Inductor cannot compile"""
 
     # --- advantages and KL
     advantage: str = "gae"

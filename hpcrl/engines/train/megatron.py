@@ -8,7 +8,7 @@ engine, the reference and the checkpoints keep one format. The critic is the sam
 its output layer replaced by the scalar value head. Attention runs through PyTorch's SDPA
 (`megatron_attention.py`), on one tensor-parallel rank the log-probs come from the chunked
 head of `hpcrl.models.causal_lm` (`head_log_probs`): no fp32 logits over the whole vocabulary, and
-on one GPU each layer is compiled by Inductor (`compile_layers`).
+without TP or PP each layer is compiled by Inductor (`compile_layers`).
 
 Data: the driver's DP_COMPUTE dispatch cuts a batch into one shard per rank, but the ranks of one
 model-parallel group (TP × PP) must see the same samples. Each call gathers the shards of its group
@@ -53,10 +53,11 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_
 
 def compile_layers(layers) -> None:
     """Each TransformerLayer compiled by Inductor, in place (fused norms, RoPE and activations: the
-    critic update 0.309 -> 0.230 s on the H200 bench). Only on one GPU: with TP or PP the layers
-    hold collectives, which this was not measured with. megatron calls warnings.warn
-    inside a layer's forward; as a graph break it would cut every layer into pieces, so dynamo may
-    move it past the graph instead (a process-wide setting that changes only when warnings print)."""
+    critic update 0.309 -> 0.230 s on one H200). The engine calls it without TP or PP only: then a
+    layer holds no collective (data parallelism reduces gradients outside it, in megatron's DDP
+    hooks); compiled layers with TP or PP were not measured. megatron calls warnings.warn inside a
+    layer's forward; as a graph break it would cut every layer into pieces, so dynamo may move it
+    past the graph instead (a process-wide setting that changes only when warnings print)."""
     import warnings
 
     torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
@@ -66,8 +67,8 @@ def compile_layers(layers) -> None:
 
 class MegatronEngine:
     """head "log_probs" (actor, reference: π(response) at `temperature`, and its entropy) or "values"
-    (critic). cfg None: inference only. `compile`: the decoder layers through Inductor (one GPU
-    only, `compile_layers`). A TrainEngine (hpcrl/engines/base.py)."""
+    (critic). cfg None: inference only. `compile`: the decoder layers through Inductor (without TP
+    or PP, `compile_layers`). A TrainEngine (hpcrl/engines/base.py)."""
     state_replicated = False     # each rank holds its tensor/pipeline shard
 
     def __init__(self, model_dir: str, head: str, cfg: OptimConfig | None, tensor_parallel: int = 1,
