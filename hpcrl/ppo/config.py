@@ -192,8 +192,9 @@ class PPOConfig:
     compile: bool = True
     """on GPUs, torch.compile the decoder layers of the torch engine (not under FSDP2) and of
     megatron (without TP or PP), and the static-cache rollout's decode step (fused norms, RoPE and
-    activations: fewer, larger kernels; the first step pays the compilation, tens of seconds per
-    role). false: eager, e.g. for a model Inductor cannot compile"""
+    activations: fewer, larger kernels; the first steps pay the compilation, tens of seconds per
+    role, once per kind of call: with or without gradients or padding). false: eager, e.g. for a
+    model Inductor cannot compile"""
 
     # --- advantages and KL
     advantage: str = "gae"

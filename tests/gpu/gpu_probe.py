@@ -55,6 +55,9 @@ def probe(rank: int, world: int, engine: str, tp: int, model_dir: str, batch_fil
         result["logp_restored"] = fresh.infer(shard, 4)["log_probs"]
         result["stats_restored"] = fresh.train_step(shard, pg_loss)
         result["stats_continued"] = eng.train_step(shard, pg_loss)
+        from torch._dynamo.utils import counters
+
+        result["graph_breaks"] = dict(counters["graph_break"])     # of the compiled layers and LM head
     if rank == 0:
         result["weights1"] = {k: v.float().cpu() for k, v in eng.full_weights().items()}
     else:

@@ -5,10 +5,11 @@ optimizer and micro-batch schedules.
 The model is built from the role's HF config and loaded from its HF weights
 (`megatron_layout.to_megatron`); `full_weights()` gives them back in HF names, so the rollout
 engine, the reference and the checkpoints keep one format. The critic is the same GPTModel with
-its output layer replaced by the scalar value head. Attention runs through PyTorch's SDPA
-(`megatron_attention.py`), on one tensor-parallel rank the log-probs come from the chunked
-head of `hpcrl.models.causal_lm` (`head_log_probs`): no fp32 logits over the whole vocabulary, and
-without TP or PP each layer is compiled by Inductor (`compile_layers`).
+its output layer replaced by the scalar value head. The layers come from `megatron_layer.py`
+(attention through PyTorch's SDPA, and linears that trace without a graph break); on one
+tensor-parallel rank the log-probs come from the chunked head of `hpcrl.models.causal_lm`
+(`head_log_probs`): no fp32 logits over the whole vocabulary, and without TP or PP each layer is
+compiled by Inductor, one graph per layer.
 
 Data: the driver's DP_COMPUTE dispatch cuts a batch into one shard per rank, but the ranks of one
 model-parallel group (TP × PP) must see the same samples. Each call gathers the shards of its group
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpcrl.controller.batch import Batch
-from hpcrl.engines.train.megatron_attention import attention_mask, sdpa_core_attention
+from hpcrl.engines.train.megatron_layer import attention_mask, layer_spec
 from hpcrl.engines.train.megatron_layout import to_hf, to_megatron
 from hpcrl.engines.train.torch_trainer import OptimConfig, all_sum, lr_factor
 from hpcrl.models.causal_lm import head_log_probs, position_ids
@@ -51,24 +52,10 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_
     return picked - lse.squeeze(-1), entropy
 
 
-def compile_layers(layers) -> None:
-    """Each TransformerLayer compiled by Inductor, in place (fused norms, RoPE and activations: the
-    critic update 0.309 -> 0.230 s on one H200). The engine calls it without TP or PP only: then a
-    layer holds no collective (data parallelism reduces gradients outside it, in megatron's DDP
-    hooks); compiled layers with TP or PP were not measured. megatron calls warnings.warn inside a
-    layer's forward; as a graph break it would cut every layer into pieces, so dynamo may move it
-    past the graph instead (a process-wide setting that changes only when warnings print)."""
-    import warnings
-
-    torch._dynamo.config.reorderable_logging_functions.add(warnings.warn)
-    for layer in layers:
-        layer.compile()
-
-
 class MegatronEngine:
     """head "log_probs" (actor, reference: π(response) at `temperature`, and its entropy) or "values"
-    (critic). cfg None: inference only. `compile`: the decoder layers through Inductor (without TP
-    or PP, `compile_layers`). A TrainEngine (hpcrl/engines/base.py)."""
+    (critic). cfg None: inference only. `compile`: each decoder layer through Inductor (without TP
+    or PP). A TrainEngine (hpcrl/engines/base.py)."""
     state_replicated = False     # each rank holds its tensor/pipeline shard
 
     def __init__(self, model_dir: str, head: str, cfg: OptimConfig | None, tensor_parallel: int = 1,
@@ -76,7 +63,6 @@ class MegatronEngine:
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel as mtp
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
         from transformers import AutoConfig
 
@@ -108,9 +94,7 @@ class MegatronEngine:
             # stages exchange activations of each micro-batch's own shape (the last may be smaller)
             variable_seq_lengths=pipeline_parallel > 1, moe_token_dispatcher_type="alltoall")
         values = head == "values"
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        spec.submodules.self_attention.submodules.core_attention = sdpa_core_attention()
-        model = GPTModel(self.config, spec, vocab_size=s.padded_vocab(self.tp),
+        model = GPTModel(self.config, layer_spec(), vocab_size=s.padded_vocab(self.tp),
                          max_sequence_length=hf_config.max_position_embeddings, pre_process=self.first,
                          post_process=self.last, share_embeddings_and_output_weights=s.tied and not values,
                          position_embedding_type="rope", rotary_base=int(rope_theta(hf_config)))
@@ -119,7 +103,10 @@ class MegatronEngine:
         model.cuda()
         self._load_hf(model, self._initial_hf(model_dir, values))
         if compile and tensor_parallel == pipeline_parallel == 1:
-            compile_layers(model.decoder.layers)
+            # in place, as the torch engine's. Without TP a layer holds no collective (data parallelism
+            # reduces gradients outside it, in megatron's DDP hooks); compiled TP or PP was not measured
+            for layer in model.decoder.layers:
+                layer.compile()
         self.bare = model
         if cfg is None:
             model.requires_grad_(False).eval()

@@ -1,10 +1,17 @@
-"""megatron-core's core attention through PyTorch's SDPA, for the local (no Transformer Engine) layer spec.
+"""megatron-core's local layer spec as hpcrl builds its GPTModel: core attention through PyTorch's
+SDPA, and row-parallel linears that name their own tensor-parallel group.
 
 megatron's own `DotProductAttention` makes the (b, heads, s, s) scores, a masked softmax and a
 second product, each a pass over memory; SDPA runs flash or memory-efficient kernels that never
 make the scores. A batch without padding (attention_mask None, as MegatronEngine gives it then)
 takes the causal flash kernel with the KV heads as they are; with padding, the memory-efficient
 kernel needs the KV heads repeated per query head, as megatron's own path repeats them.
+
+megatron-core 0.19's `RowParallelLinear` (the attention's output projection and the MLP's second
+linear) passes `tp_group=None` to its matmul, which then looks the group up and warns with a
+DeprecationWarning on every call. Under `torch.compile` that warning cannot be traced: each layer's
+graph broke at both linears, and inside megatron's activation-offloading context the rest of the
+function ran eager. Passing the layer's own group leaves one graph per layer.
 """
 from __future__ import annotations
 
@@ -41,10 +48,35 @@ def sdpa_attention(query, key, value, attention_mask, scale: float) -> torch.Ten
     return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+def layer_spec():
+    """megatron's local GPT layer spec (RMSNorm) with SDPA core attention and row-parallel linears
+    that pass their own TP group (megatron-core, an optional package, is imported on the first call)."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp
+    attention.core_attention, attention.linear_proj = _sdpa_attention_class(), _row_linear_class()
+    # the MLP's submodules sit in a partial of MLP.as_mlp_submodule in megatron-core 0.19
+    spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{
+        **mlp.keywords, "submodules": dataclasses.replace(mlp.keywords["submodules"], linear_fc2=_row_linear_class())})
+    return spec
+
+
 @functools.cache
-def sdpa_core_attention() -> type:
-    """The core-attention class for megatron's layer spec (megatron-core, an optional package, is
-    imported here, on the first call)."""
+def _row_linear_class() -> type:
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class GroupedRowParallelLinear(RowParallelLinear):
+        def _forward_impl(self, input, weight, *args, **kwargs):
+            return super()._forward_impl(input, weight, *args, **{**kwargs, "tp_group": self.tp_group})
+
+    return GroupedRowParallelLinear
+
+
+@functools.cache
+def _sdpa_attention_class() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SdpaAttention(DotProductAttention):
