@@ -55,7 +55,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_
 class MegatronEngine:
     """head "log_probs" (actor, reference: π(response) at `temperature`, and its entropy) or "values"
     (critic). cfg None: inference only. `compile`: each decoder layer through Inductor (without TP
-    or PP). A TrainEngine (hpcrl/engines/base.py)."""
+    or PP), and the chunked LM head's softmax (one TP rank). A TrainEngine (hpcrl/engines/base.py)."""
     state_replicated = False     # each rank holds its tensor/pipeline shard
 
     def __init__(self, model_dir: str, head: str, cfg: OptimConfig | None, tensor_parallel: int = 1,
@@ -70,6 +70,7 @@ class MegatronEngine:
             raise RuntimeError("train_engine: megatron needs a GPU (megatron-core calls CUDA); use train_engine: torch on CPU")
         hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         self.shape, self.head, self.cfg, self.temperature = Shape.of(hf_config), head, cfg, temperature
+        self.compile = compile
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.shape.check(tensor_parallel, pipeline_parallel)
         if not mpu.model_parallel_is_initialized():
@@ -183,7 +184,8 @@ class MegatronEngine:
         if self.tp == 1:      # the whole vocabulary here: chunked, never all fp32 logits at once
             x = h.transpose(0, 1).reshape(-1, h.shape[-1])
             weight = output_layer.weight if output_weight is None else output_weight
-            logp, ent = head_log_probs(x, weight, mb["responses"].reshape(-1), self.temperature, True, compile=True)
+            logp, ent = head_log_probs(x, weight, mb["responses"].reshape(-1), self.temperature, True,
+                                       compile=self.compile)
             return torch.stack([logp, ent], dim=-1).view(-1, r, 2)
         logits, _ = output_layer(h, weight=output_weight)
         logits = logits.float().transpose(0, 1) / self.temperature

@@ -8,10 +8,10 @@ takes the causal flash kernel with the KV heads as they are; with padding, the m
 kernel needs the KV heads repeated per query head, as megatron's own path repeats them.
 
 megatron-core 0.19's `RowParallelLinear` (the attention's output projection and the MLP's second
-linear) passes `tp_group=None` to its matmul, which then looks the group up and warns with a
-DeprecationWarning on every call. Under `torch.compile` that warning cannot be traced: each layer's
-graph broke at both linears, and inside megatron's activation-offloading context the rest of the
-function ran eager. Passing the layer's own group leaves one graph per layer.
+linear) passes `tp_group=None` to its matmul, which then looks the group up and, on global rank 0,
+warns with a DeprecationWarning on every call. Under `torch.compile` that warning cannot be traced:
+each layer's graph broke at both linears, and inside megatron's activation-offloading context the
+rest of the function ran eager. Passing the layer's own group leaves one graph per layer.
 """
 from __future__ import annotations
 
@@ -53,14 +53,18 @@ def layer_spec():
     that pass their own TP group (megatron-core, an optional package, is imported on the first call)."""
     import dataclasses
 
+    import megatron.core
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     attention, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp
+    # megatron-core 0.19 gives the MLP's submodules to a partial of MLP.as_mlp_submodule
+    if not (isinstance(mlp, functools.partial) and dataclasses.is_dataclass(mlp.keywords.get("submodules"))):
+        raise RuntimeError(f"megatron-core {megatron.core.__version__}: its local layer spec no longer gives the MLP "
+                           "its submodules as 0.19 does; install megatron-core 0.19 (pip install 'megatron-core~=0.19.2')")
     attention.core_attention, attention.linear_proj = _sdpa_attention_class(), _row_linear_class()
-    # the MLP's submodules sit in a partial of MLP.as_mlp_submodule in megatron-core 0.19
-    spec.submodules.mlp = functools.partial(mlp.func, *mlp.args, **{
-        **mlp.keywords, "submodules": dataclasses.replace(mlp.keywords["submodules"], linear_fc2=_row_linear_class())})
+    spec.submodules.mlp = functools.partial(mlp, submodules=dataclasses.replace(mlp.keywords["submodules"],
+                                                                                linear_fc2=_row_linear_class()))
     return spec
 
 
@@ -68,11 +72,11 @@ def layer_spec():
 def _row_linear_class() -> type:
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
-    class GroupedRowParallelLinear(RowParallelLinear):
+    class RowParallelLinearWithGroup(RowParallelLinear):
         def _forward_impl(self, input, weight, *args, **kwargs):
             return super()._forward_impl(input, weight, *args, **{**kwargs, "tp_group": self.tp_group})
 
-    return GroupedRowParallelLinear
+    return RowParallelLinearWithGroup
 
 
 @functools.cache
