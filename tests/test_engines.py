@@ -1,7 +1,7 @@
-"""Engine pieces that run without a GPU: the static-cache sampler against HF's forward, and the
+"""Engine pieces that run without a GPU: the static-cache sampler against HF's forward, the
 HF ⇄ megatron weight layouts for every tensor/pipeline split (the GPU tests in tests/gpu/ check
-that megatron computes with them what HF does), and the chunked output layer of response_log_probs
-against the model's own logits."""
+that megatron computes with them what HF does), megatron's attention and optimizer kernels against
+references, and the chunked output layer of response_log_probs against the model's own logits."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -168,6 +168,30 @@ def test_megatron_sdpa_attention_equals_masked_softmax_attention():
     assert attention_mask(torch.ones(b, s)) is None
     causal = ~torch.ones(s, s, dtype=torch.bool).tril()
     assert rel(sdpa_attention(q, k, v, None, scale).double(), reference(causal)) < 1e-6
+
+
+def test_megatron_multi_tensor_fallbacks_compute_what_numpy_does():
+    """The foreach kernels that stand in for megatron's multi-tensor fallbacks: the l2 norm of a list
+    of tensors as one vector, a copy into bf16 (fp32 main weights into the model's), a scaled copy,
+    and an in-place scale (clipping: the same list twice)."""
+    import numpy as np
+
+    from hpcrl.engines.train.megatron_optimizer import foreach_l2_norm, foreach_scale
+
+    torch.manual_seed(7)
+    src = [torch.randn(5, 3), torch.randn(11), torch.randn(2, 2, 2)]
+    flat = np.concatenate([t.numpy().ravel() for t in src]).astype(np.float64)
+    norm, per_tensor = foreach_l2_norm(2048, None, [src], False)
+    assert per_tensor is None and norm.shape == (1,) and abs(float(norm) - np.linalg.norm(flat)) < 1e-5
+    dst = [torch.zeros_like(t, dtype=torch.bfloat16) for t in src]
+    foreach_scale(2048, None, [src, dst], 1.0)
+    assert all(torch.equal(d, s.to(torch.bfloat16)) for d, s in zip(dst, src))
+    dst = [torch.zeros_like(t) for t in src]
+    foreach_scale(2048, None, [src, dst], 0.25)
+    assert np.allclose(np.concatenate([d.numpy().ravel() for d in dst]), 0.25 * flat, atol=1e-7)
+    grads = [t.clone() for t in src]
+    foreach_scale(2048, None, [grads, grads], 0.5)
+    assert np.allclose(np.concatenate([g.numpy().ravel() for g in grads]), 0.5 * flat, atol=1e-7)
 
 
 @pytest.mark.parametrize("tp,pp,tied", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, False)])

@@ -1,6 +1,7 @@
 """Training on megatron-core (GPU only): the actor's log-probs or the critic's values through a
 GPTModel split by tensor and pipeline parallelism, trained with megatron's DDP, distributed
-optimizer and micro-batch schedules.
+optimizer (on torch's fused AdamW and foreach kernels where megatron finds neither Transformer
+Engine nor apex: `megatron_optimizer.py`) and micro-batch schedules.
 
 The model is built from the role's HF config and loaded from its HF weights
 (`megatron_layout.to_megatron`); `full_weights()` gives them back in HF names, so the rollout
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.train.megatron_layer import attention_mask, layer_spec
 from hpcrl.engines.train.megatron_layout import to_hf, to_megatron
+from hpcrl.engines.train.megatron_optimizer import use_torch_kernels
 from hpcrl.engines.train.torch_trainer import OptimConfig, all_sum, lr_factor
 from hpcrl.models.causal_lm import head_log_probs, position_ids
 from hpcrl.models.shape import Shape, rope_theta
@@ -122,6 +124,7 @@ class MegatronEngine:
         self.optimizer = get_megatron_optimizer(OptimizerConfig(
             optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
             clip_grad=cfg.grad_clip, bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True), [self.model])
+        use_torch_kernels(self.optimizer)
         self.lr_factor, self.steps = lr_factor(cfg), 0
 
     # --- weights
@@ -318,6 +321,6 @@ class MegatronEngine:
                     saved = params[name]
                     with torch.no_grad():
                         main.copy_(saved["param"])
-                    o.optimizer.state[main] = {k: v if k == "step" else v.to(self.device)   # torch keeps `step` on the CPU
-                                               for k, v in saved.items() if k != "param"}
+                    # fused AdamW keeps `step` on the device too
+                    o.optimizer.state[main] = {k: v.to(self.device) for k, v in saved.items() if k != "param"}
             self.steps = mine["steps"]
