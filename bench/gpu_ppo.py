@@ -51,7 +51,12 @@ def shape_of(model_dir: Path | None) -> dict:
     if model_dir is None:
         return SHAPE
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return {k: cfg.get(k, SHAPE[k]) for k in SHAPE}
+    cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))    # configs of plain multi-head attention
+    cfg.setdefault("tie_word_embeddings", False)
+    missing = [k for k in SHAPE if k not in cfg]
+    if missing:
+        raise SystemExit(f"--model {model_dir}: its config.json has no {', '.join(missing)} (a decoder of the Llama/Qwen2 kind?)")
+    return {k: cfg[k] for k in SHAPE}
 
 
 def make_inputs(work: Path, model: Path | None = None) -> tuple[Path, Path]:
@@ -63,6 +68,8 @@ def make_inputs(work: Path, model: Path | None = None) -> tuple[Path, Path]:
     from hpcrl.models import CharTokenizer
 
     model_dir, prompts = model or work / "model", work / f"prompts-{model.name if model else 'random'}.jsonl"
+    if model and not (model / "config.json").exists():
+        raise SystemExit(f"--model {model}: no config.json there (an HF model folder, e.g. from `hpcrl data smollm2 DIR`)")
     if not (model_dir / "config.json").exists():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0))
@@ -226,6 +233,8 @@ def summarise(name: str, records: list[dict], shape: dict = SHAPE) -> dict:
     if row["generate_s"]:
         row["rollout_tokens_per_s"] = BATCH * response / row["generate_s"]
         row["generate_of_bound"] = decode_bytes(shape, longest) / BANDWIDTH / row["generate_s"]
+    row["per_step"] = [{k: v for k, v in r.items() if k.startswith("timing/") or k in ("step", "response_length/mean")}
+                        for r in records]
     if row["update_actor_s"]:
         score = 2 * model_flops(True, True, shape, response) + model_flops(True, False, shape, response)  # old, ref, values
         update = model_flops(False, True, shape, response) + model_flops(False, False, shape, response)    # actor, critic
@@ -246,13 +255,14 @@ def main() -> int:
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    args.model = args.model and args.model.resolve()     # the runs' processes start in the repository root
     if args.one:
         one_hpcrl(args.one, args.work, args.steps, args.layout, args.model)
         return 0
     if args.model and "trl" in args.runs.split(","):
         ap.error("--model: TRL runs on the random model only (its tokenizer here is one word per id)")
     shape, of = shape_of(args.model), f", {args.model.name}" if args.model else ""
-    rows = []
+    rows, failed = [], []
     for run in args.runs.split(","):
         t = time.perf_counter()
         if run == "trl":
@@ -269,6 +279,7 @@ def main() -> int:
                 records = run_hpcrl(run, args.work, args.steps, layout, args.model)
             except subprocess.CalledProcessError as e:     # the other runs still count; its log says why
                 print(f"{run} ({layout}) failed: {e}", flush=True)
+                failed.append(f"hpcrl {run} ({layout}): {e}")
                 continue
             rows.append(summarise(f"hpcrl {run}{', ' + name if name else ''}{of}", records, shape))
         print(f"{run}: {time.perf_counter() - t:.0f} s", flush=True)
@@ -277,7 +288,7 @@ def main() -> int:
     device = torch.cuda.get_device_name(0)
     args.out.write_text(json.dumps({"device": device, "layout": args.layout, "model": str(args.model or "random"),
                                     "shape": shape, "batch": BATCH, "prompt": PROMPT, "response": RESPONSE,
-                                    "micro_batch": MICRO, "rows": rows}, indent=1))
+                                    "micro_batch": MICRO, "rows": rows, "failed": failed}, indent=1))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)   # noqa: E731
     print(f"\n{device}; batch {BATCH} prompts × {PROMPT} prompt + {RESPONSE} response tokens, micro-batch {MICRO}; "
           "median of the steps after the first")
@@ -289,7 +300,9 @@ def main() -> int:
               f"{fmt(r.get('rollout_tokens_per_s'), '9.0f')} {fmt(r.get('generate_of_bound'), '7.1%')} "
               f"{fmt(r['score_s'], '7.2f')} {fmt(r.get('score_mfu'), '6.1%')} {fmt(r['update_critic_s'], '6.2f')} "
               f"{fmt(r['update_actor_s'], '7.2f')} {fmt(r.get('update_mfu'), '7.1%')} {fmt(r['sync_weights_s'], '6.2f')}")
-    return 0
+    for f in failed:
+        print(f"failed: {f}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -172,8 +172,9 @@ def test_megatron_sdpa_attention_equals_masked_softmax_attention():
 
 def test_megatron_multi_tensor_fallbacks_compute_what_numpy_does():
     """The foreach kernels that stand in for megatron's multi-tensor fallbacks: the l2 norm of a list
-    of tensors as one vector, a copy into bf16 (fp32 main weights into the model's), a scaled copy,
-    and an in-place scale (clipping: the same list twice)."""
+    of tensors as one vector (of bf16 ones in fp32), a copy into bf16 (fp32 main weights into the
+    model's), a scaled copy, an in-place scale (clipping: the same list twice), and lists that
+    share only some tensors."""
     import numpy as np
 
     from hpcrl.engines.train.megatron_optimizer import foreach_l2_norm, foreach_scale
@@ -192,6 +193,12 @@ def test_megatron_multi_tensor_fallbacks_compute_what_numpy_does():
     grads = [t.clone() for t in src]
     foreach_scale(2048, None, [grads, grads], 0.5)
     assert np.allclose(np.concatenate([g.numpy().ravel() for g in grads]), 0.5 * flat, atol=1e-7)
+    halves = [src[0].clone(), torch.zeros(11)]       # partly the same tensors: the first pair scales in place
+    foreach_scale(2048, None, [[halves[0], src[1]], halves], 2.0)
+    assert torch.allclose(halves[0], 2 * src[0]) and torch.allclose(halves[1], 2 * src[1])
+    bf16 = [t.to(torch.bfloat16) for t in src]
+    assert abs(float(foreach_l2_norm(2048, None, [bf16], False)[0]) - np.linalg.norm(
+        np.concatenate([t.float().numpy().ravel() for t in bf16]))) < 1e-4
 
 
 @pytest.mark.parametrize("tp,pp,tied", [(1, 1, False), (2, 1, False), (1, 2, True), (2, 2, False)])

@@ -58,6 +58,13 @@ def probe(rank: int, world: int, engine: str, tp: int, model_dir: str, batch_fil
         from torch._dynamo.utils import counters
 
         result["graph_breaks"] = dict(counters["graph_break"])     # of the compiled layers and LM head
+        from megatron.core.optimizer import clip_grads
+
+        from hpcrl.engines.train.megatron_optimizer import foreach_l2_norm, foreach_scale
+
+        result["torch_kernels"] = {      # what megatron's optimizer ran on (no Transformer Engine or apex here)
+            "fused_adamw": all(g["fused"] for o in eng._optimizers() for g in o.optimizer.param_groups),
+            "foreach": clip_grads.l2_norm_impl is foreach_l2_norm and clip_grads.multi_tensor_scale_impl is foreach_scale}
     if rank == 0:
         result["weights1"] = {k: v.float().cpu() for k, v in eng.full_weights().items()}
     else:

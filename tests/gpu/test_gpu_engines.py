@@ -80,7 +80,8 @@ def test_megatron_log_probs_equal_hf_and_checkpoints_resume(model_dir, batch, tm
     assert torch.allclose(r["logp_restored"], r["logp1"], atol=1e-6)
     assert r["stats_restored"]["pg"] == pytest.approx(r["stats_continued"]["pg"], rel=1e-4)
     assert r["stats_restored"]["grad_norm"] == pytest.approx(r["stats_continued"]["grad_norm"], rel=1e-3)
-    # megatron's gradient norm (foreach kernels in place of its per-tensor fallbacks) is the torch engine's
+    # megatron's optimizer stepped with fused AdamW and foreach kernels, and its gradient norm is the torch engine's
+    assert r["torch_kernels"] == {"fused_adamw": True, "foreach": True}
     [t] = run(1, "torch", 1, model_dir, batch, tmp_path / "torch", next(PORTS))
     assert r["stats"][0]["grad_norm"] == pytest.approx(t["stats"][0]["grad_norm"], rel=3e-2)
     # each compiled layer is one graph: megatron's RowParallelLinear warned inside every forward, a graph break

@@ -23,8 +23,8 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     tensors = tensor_lists[0]
     if not tensors:
         return torch.zeros(1, dtype=torch.float, device="cuda"), None
-    norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)     # fp32 also for bf16 tensors
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
