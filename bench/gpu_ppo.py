@@ -72,8 +72,8 @@ def make_inputs(work: Path, model: Path | None = None) -> tuple[Path, Path]:
         raise SystemExit(f"--model {model}: no config.json there (an HF model folder, e.g. from `hpcrl data smollm2 DIR`)")
     if not (model_dir / "config.json").exists():
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0))
-        model.save_pretrained(model_dir)
+        random_model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+        random_model.save_pretrained(model_dir)
         CharTokenizer("".join(chr(0x10000 + i) for i in range(SHAPE["vocab_size"] - 3))).save(model_dir)
     g = torch.Generator().manual_seed(1)
     rows = torch.randint(3, shape_of(model_dir)["vocab_size"], (BATCH, PROMPT), generator=g)
@@ -88,6 +88,13 @@ def hpcrl_config(engine: str, model_dir: Path, prompts: Path, steps: int, coloca
                      max_new_tokens=RESPONSE, mini_batch_size=BATCH, micro_batch_size=MICRO, ppo_epochs=1,
                      warmup_steps=0, actor_lr=1e-6, critic_lr=1e-6, train_engine=engine, colocate=colocate,
                      save_last=False, progress=False, reward_fn="hpcrl.ppo.tasks.copy_digits:score")   # a cheap rule
+
+
+# the hpcrl runs of each --layout: the layouts they run in, and how the table names them
+RUNS_OF_LAYOUT = {"one-gpu": {"one-gpu": ""},
+                  "two-gpus": {"one-gpu": "all roles on GPU 0", "two-gpus": "actor GPU 0 / critic GPU 1"},
+                  "rollout-apart": {"rollout-apart": "rollout apart, sequential",
+                                    "rollout-apart-pipelined": "rollout apart, pipelined"}}
 
 
 def run_dir(work: Path, engine: str, layout: str, model: Path | None) -> Path:
@@ -267,14 +274,7 @@ def main() -> int:
         t = time.perf_counter()
         if run == "trl":
             rows.append(summarise("TRL PPOTrainer", run_trl(args.work, args.steps)))
-            names = {}
-        elif args.layout == "two-gpus":
-            names = {"one-gpu": "all roles on GPU 0", "two-gpus": "actor GPU 0 / critic GPU 1"}
-        elif args.layout == "rollout-apart":
-            names = {"rollout-apart": "rollout apart, sequential", "rollout-apart-pipelined": "rollout apart, pipelined"}
-        else:
-            names = {"one-gpu": ""}
-        for layout, name in names.items():
+        for layout, name in ({} if run == "trl" else RUNS_OF_LAYOUT.get(args.layout, RUNS_OF_LAYOUT["one-gpu"])).items():
             try:
                 records = run_hpcrl(run, args.work, args.steps, layout, args.model)
             except subprocess.CalledProcessError as e:     # the other runs still count; its log says why

