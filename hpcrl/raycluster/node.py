@@ -136,10 +136,14 @@ class _NodeTask:
         cpus = int(base_env.get("SLURM_CPUS_ON_NODE", "1"))
         mem_mb = int(base_env.get("SLURM_MEM_PER_NODE", "0") or 0) or 4096
         env = {**base_env, **ray_env(self.paths.root),
-               # the batch shell's GPUs leak into every component's steps; this step's own are right
-               "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+               # Slurm sets CUDA_VISIBLE_DEVICES for a step with GPUs (its numbering: 0..n-1 under
+               # ConstrainDevices, the node's otherwise, a site's TaskProlog may renumber); a step without
+               # GPUs inherits the batch shell's, which belong to component 0
+               "CUDA_VISIBLE_DEVICES": base_env.get("CUDA_VISIBLE_DEVICES", "") if gpus else ""}
         me = self.me
-        cmd = [str(Path(sys.executable).with_name("ray")), "start", "--block", f"--node-ip-address={me['addr']}",
+        # Ray's command line through this interpreter: where packages are installed with --target (a
+        # GPU image's site), the `ray` script is not beside the interpreter, or not on PATH
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", f"--node-ip-address={me['addr']}",
                f"--num-cpus={cpus}", f"--num-gpus={len(gpus)}",
                f"--object-store-memory={max(80, mem_mb * 3 // 10) * 1024 * 1024}",
                f"--resources={node_resources(me['members'])}", f"--labels={node_labels(self.cluster, me)}",
@@ -228,7 +232,7 @@ def run_node(run_dir: Path) -> int:
             return fail(why)
     try:
         proc, started = task.start(cmd, env)
-    except OSError as e:            # e.g. an image whose venv lacks Ray's scripts
+    except OSError as e:            # e.g. an interpreter the node cannot execute
         if comm is not None:
             if head:
                 rendezvous.share_head_address(comm, "")

@@ -1,0 +1,344 @@
+"""The product path on real GPUs, through Slurm: the GPU machine's local cluster (`slurm/cluster up
+--packages DIR`: virtual nodes whose GRES are the machine's /dev/nvidiaN) runs jobs/smollm2-chain-sum-gpu.yaml
+(GRPO: actor on h100, rollout on a100, verifier on cpu) and its PPO variant as heterogeneous jobs, with
+`python -m hpcrl submit`, as a user on a login node would. Prints a table and writes JSON.
+
+    python bench/gpu_slurm.py --model MODEL_DIR --data DATA_DIR [--work DIR] [--json bench/gpu_slurm.json]
+    python bench/gpu_slurm.py --cpu --work DIR     # the same path on a CPU machine's cluster: tiny model, copy task
+
+In order, each alone on the machine:
+1. bare: the GRPO spec's layout without Slurm: one local Ray node per component, with the roles and GPU
+   counts Slurm would give it (on one GPU every node names GPU 0), the driver in a process of its own,
+   --bare-steps steps. Its step times are what the Slurm run's are held against (same steps, same seed).
+2. learn: the GRPO spec through Slurm to --steps steps, held-out greedy accuracy every val_every steps.
+   At a random step in [--preempt-lo, --preempt-hi] (seeded by --seed, printed) an `urgent` job on the
+   actor's node preempts it: the job checkpoints, Slurm requeues it, it resumes from the committed step.
+3. kill: the PPO spec through Slurm, --kill-steps steps; at a random step the critic's process is killed
+   (SIGKILL): its group is rebuilt on its node's GPU and the step completes.
+4. observe: `hpcrl status`, `logs` and `report` of the learn run, their output kept in WORK/observe/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+SPECS = {"grpo": ROOT / "jobs" / "smollm2-chain-sum-gpu.yaml", "ppo": ROOT / "jobs" / "smollm2-chain-sum-gpu-ppo.yaml"}
+CPU_SETTINGS = ["train.model_dir=", "train.dataset=", "train.val_dataset=", "train.val_before_train=false", "train.val_every=0",
+                "train.batch_size=8", "train.n_samples=4", "train.max_new_tokens=3", "train.mini_batch_size=32",
+                "train.micro_batch_size=32", "train.actor_lr=1e-3", "train.critic_lr=2e-3", "train.save_every=10"]
+
+
+def say(text: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {text}", flush=True)
+
+
+def hpcrl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """The hpcrl command line, as a user runs it (`python -m hpcrl`: the GPU image installs no scripts)."""
+    out = subprocess.run([sys.executable, "-m", "hpcrl", *args], capture_output=True, text=True, cwd=ROOT)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"hpcrl {' '.join(args)} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def overrides(args, steps: int) -> list[str]:
+    data = [] if args.cpu else [f"train.model_dir={args.model}", f"train.dataset={args.data / 'train.parquet'}",
+                                f"train.val_dataset={args.data / 'test.parquet'}"]
+    return [*data, *(CPU_SETTINGS if args.cpu else []), f"train.total_steps={steps}", f"train.seed={args.seed}",
+            "train.progress=true"]
+
+
+def records(run: Path) -> list[dict]:
+    from hpcrl.observe.metrics import read_metrics
+
+    return read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").exists() else []
+
+
+def events(run: Path) -> list[dict]:
+    path = run / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def train_seconds(r: dict) -> float:
+    return r.get("timing/step", 0.0) - r.get("timing/validate", 0.0)
+
+
+def step_times(recs: list[dict], lo: int, hi: int) -> list[float]:
+    """Each step's time less its validation, for steps lo..hi (the steps before lo compile)."""
+    return [train_seconds(r) for r in recs if "reward/mean" in r and lo <= r["step"] <= hi]
+
+
+# ---------------------------------------------------------------- 1. bare: the same layout without Slurm
+def run_bare(args) -> dict:
+    from hpcrl.job import load_spec
+    from hpcrl.slurm.job import parse_mem_mb
+    from hpcrl.slurm.submit import write_spec
+
+    run = args.work / "bare"
+    subprocess.run(["rm", "-rf", str(run)], check=True)
+    spec = load_spec(SPECS["grpo"], run_dir=run, overrides=overrides(args, args.bare_steps))
+    write_spec(run, spec.as_data())
+    nodes = [(members, spec.roles[members[0]]) for members in spec.component_roles()]
+    say(f"bare: {len(nodes)} local Ray nodes as the job's components: {[m for m, _ in nodes]}")
+    proc = subprocess.run([sys.executable, __file__, "--bare-driver", str(run), "--nodes",
+                           json.dumps([[m, r.gpus_per_node, r.cpus_per_task, parse_mem_mb(r.mem or "4G")] for m, r in nodes])],
+                          cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the bare run exited {proc.returncode}; see {run}")
+    return {"run_dir": str(run), "records": records(run)}
+
+
+def bare_driver(run: Path, nodes: list) -> int:
+    """In a process of its own: a local Ray node per component (head first), then the driver, all
+    with the run's token as in a job."""
+    from hpcrl.raycluster.node import node_resources, ray_env
+    from hpcrl.raycluster.session import _write_token
+    from hpcrl.run_dir import RunDir
+
+    paths = RunDir(run)
+    paths.ray.mkdir(parents=True, exist_ok=True)
+    _write_token(paths.ray_token)
+    os.environ.update(ray_env(run))     # before Ray is imported: it reads its auth mode then
+    env = dict(os.environ)
+    import ray
+
+    from hpcrl.job import load_spec
+    from hpcrl.ppo.config import PPOConfig
+    from hpcrl.ppo.driver import train
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    temp = Path("/tmp") / f"hpcrl-bare-{os.getpid()}"
+    try:
+        for k, (members, gpus, cpus, mem_mb) in enumerate(nodes):
+            where = ["--head", f"--port={port}", "--include-dashboard=false"] if k == 0 else [f"--address=127.0.0.1:{port}"]
+            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", *where, "--node-ip-address=127.0.0.1",
+                            f"--num-gpus={gpus}", f"--num-cpus={cpus}", f"--resources={node_resources(members)}",
+                            f"--object-store-memory={max(80, mem_mb * 3 // 10) * 2**20}", f"--temp-dir={temp}",
+                            "--disable-usage-stats"],
+                           env={**env, "CUDA_VISIBLE_DEVICES": "0" if gpus else ""}, check=True, capture_output=True)
+        ray.init(address=f"127.0.0.1:{port}", _node_ip_address="127.0.0.1", log_to_driver=False)
+        spec = load_spec(paths.spec, run_dir=run)
+        train(PPOConfig.from_dict(spec.train), run)
+    finally:
+        ray.shutdown()
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+    return 0
+
+
+# ---------------------------------------------------------------- 2. and 3.: jobs through Slurm
+class Job:
+    """A run submitted as a user submits it, followed through its files and scontrol."""
+
+    def __init__(self, name: str, kind: str, args, steps: int):
+        self.run = args.work / name
+        subprocess.run(["rm", "-rf", str(self.run)], check=True)
+        self.submitted = time.time()
+        out = hpcrl("submit", str(SPECS[kind]), "--run-dir", str(self.run), *overrides(args, steps))
+        self.job_id = json.loads((self.run / "job.json").read_text())["job_id"]
+        self.steps, self.running_at = steps, None
+        say(f"{name}: job {self.job_id} submitted ({out.stdout.strip().splitlines()[-1]})")
+
+    def states(self) -> dict[int, str]:
+        from hpcrl.slurm.submit import component_states
+
+        return component_states(self.job_id)
+
+    def step(self) -> int:
+        recs = [r for r in records(self.run) if "reward/mean" in r]
+        return recs[-1]["step"] if recs else 0
+
+    def node_of(self, component: int) -> str:
+        alloc = json.loads((self.run / "allocation.json").read_text())
+        return alloc["components"][component]["nodes"][0]["name"]
+
+    def follow(self, timeout_s: float, at_step=None) -> dict[int, str]:
+        """Until every component has ended; at_step(step) is called as steps go by."""
+        from hpcrl.slurm.submit import TERMINAL
+
+        deadline, said = time.time() + timeout_s, 0.0
+        while time.time() < deadline:
+            states, step = self.states(), self.step()
+            if self.running_at is None and all(s == "RUNNING" for s in states.values()):
+                self.running_at = time.time()     # the first allocation, within the 0.5 s poll
+            if at_step:
+                at_step(step)
+            if all(s in TERMINAL for s in states.values()):
+                return states
+            if time.time() - said > 30:
+                say(f"job {self.job_id}: step {step}/{self.steps} {states}")
+                said = time.time()
+            time.sleep(0.5)
+        raise TimeoutError(f"job {self.job_id} still running after {timeout_s:.0f} s: {self.states()}")
+
+
+def first_times(run: Path) -> dict:
+    """Seconds from sbatch to every Ray node joined, to the workers built and to the first step's
+    end (the first start of the job)."""
+    submitted = json.loads((run / "job.json").read_text())["submitted_at"]
+    out = next(run.glob("logs/slurm-*.out")).read_text()
+    joined = float(out.split("all nodes joined after")[1].split("(at ")[1].split(")")[0])
+    start = next(e["time"] for e in events(run) if e["event"] == "start")
+    first = next(r["time"] for r in records(run) if "reward/mean" in r)
+    return {"sbatch_to_ray_ready_s": round(joined - submitted, 2), "sbatch_to_workers_s": round(start - submitted, 2),
+            "sbatch_to_first_step_s": round(first - submitted, 2)}
+
+
+def run_learn(args, rng: random.Random) -> dict:
+    from hpcrl.observe.metrics import score_over_training_time
+
+    at = rng.randint(args.preempt_lo, args.preempt_hi)
+    say(f"learn: the urgent job goes in once step {at} is done (random step in [{args.preempt_lo}, "
+        f"{args.preempt_hi}], seed {args.seed})")
+    job = Job("learn", "grpo", args, args.steps)
+    preempt: dict = {}
+
+    def at_step(step: int) -> None:
+        if not preempt and step >= at:
+            node = job.node_of(0)
+            urgent = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", node, "--exclusive", "-o", "/dev/null",
+                                     "--wrap", "sleep 5"], capture_output=True, text=True, check=True).stdout.strip()
+            preempt.update(urgent_job=urgent, node=node, after_step=step, time=time.time())
+            say(f"learn: urgent job {urgent} on {node} after step {step}")
+
+    states = job.follow(args.timeout, at_step)
+    recs, evs = records(job.run), events(job.run)
+    starts = [e for e in evs if e["event"] == "start"]
+    stop = next((e for e in evs if e["event"] == "stop"), None)
+    committed = [e["step"] for e in evs if e["event"] == "checkpoint" and stop and e["time"] <= stop["time"]]
+    steps = [r["step"] for r in recs if "reward/mean" in r]
+    if preempt and len(starts) > 1:
+        resumed_first = next(r for r in recs if "reward/mean" in r and r["step"] == starts[1]["step"] + 1)
+        preempt.update(stopped_at_step=stop["step"] if stop else None, committed_step=committed[-1] if committed else None,
+                       resumed_from_step=starts[1]["step"], stop_reason=stop["reason"] if stop else None,
+                       urgent_to_checkpoint_s=round(stop["time"] - preempt["time"], 2) if stop else None,
+                       urgent_to_resumed_start_s=round(starts[1]["time"] - preempt["time"], 2),
+                       urgent_to_next_step_s=round(resumed_first["time"] - preempt["time"], 2))
+    points = score_over_training_time(recs)
+    reached = next((p for p in points if p[1] >= 0.65), None)
+    firsts = {"sbatch_to_allocation_s": round(job.running_at - job.submitted, 2), **first_times(job.run)}
+    return {"job_id": job.job_id, "states": states, "run_dir": str(job.run), "steps_done": len(steps),
+            "steps_unique": steps == list(range(1, len(steps) + 1)), "starts": len(starts),
+            "preemption": preempt, "first_times": firsts, "held_out": points,
+            "first_at_or_above_0.65": reached, "trained_s": round(sum(map(train_seconds, recs)), 1),
+            "records": recs}
+
+
+def run_kill(args, rng: random.Random) -> dict:
+    at = rng.randint(3, max(3, args.kill_steps // 2))
+    say(f"kill: the critic's process is killed during step {at + 1} (random, seed {args.seed})")
+    job = Job("kill", "ppo", args, args.kill_steps)
+    killed: dict = {}
+
+    def at_step(step: int) -> None:
+        if killed or step < at:
+            return
+        ranks = json.loads((job.run / "status.json").read_text())["roles"]["critic"]["ranks"]
+        pid, node = ranks[0]["pid"], ranks[0]["node"]
+        os.kill(pid, signal.SIGKILL)
+        killed.update(pid=pid, node=node, after_step=step, time=time.time())
+        say(f"kill: critic pid {pid} on {node} killed after step {step}")
+
+    states = job.follow(args.timeout, at_step)
+    evs, recs = events(job.run), records(job.run)
+    status = json.loads((job.run / "status.json").read_text())
+    rebuild = next((e for e in evs if e["event"] == "rebuild" and e.get("role") == "critic"), None)
+    rebuilt = next((e for e in evs if e["event"] == "rebuilt" and e.get("role") == "critic"), None)
+    steps = [r["step"] for r in recs if "reward/mean" in r]
+    critic = status["roles"]["critic"]
+    return {"job_id": job.job_id, "states": states, "run_dir": str(job.run), "killed": killed,
+            "rebuild_event": rebuild, "rebuilt_event": rebuilt,
+            "kill_to_rebuilt_s": round(rebuilt["time"] - killed["time"], 2) if rebuilt and killed else None,
+            "critic_after": {"restarts": critic["restarts"], "node": critic["ranks"][0]["node"],
+                             "pid": critic["ranks"][0]["pid"]},
+            "steps_done": len(steps), "steps_unique": steps == list(range(1, len(steps) + 1)), "records": recs}
+
+
+def observe(run: Path, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    said = {}
+    for name, argv in (("status", ["status", str(run)]), ("logs", ["logs", str(run)]), ("report", ["report", str(run)])):
+        got = hpcrl(*argv, check=False)
+        (out / f"{name}.txt").write_text(got.stdout + got.stderr)
+        said[name] = {"exit": got.returncode, "lines": len(got.stdout.splitlines())}
+    return said
+
+
+# ---------------------------------------------------------------- the table
+def summary(result: dict, lo: int) -> dict:
+    bare, learn = result["bare"]["records"], result["learn"]["records"]
+    hi = max(r["step"] for r in bare if "reward/mean" in r)
+    b, s = step_times(bare, lo, hi), step_times(learn, lo, hi)
+    first_bare = next(r for r in bare if "reward/mean" in r)
+    first_slurm = next(r for r in learn if "reward/mean" in r)
+    return {"steps_compared": [lo, hi], "bare_step_s": round(statistics.median(b), 4),
+            "slurm_step_s": round(statistics.median(s), 4), "slurm_over_bare": round(statistics.median(s) / statistics.median(b), 3),
+            "step1_reward_bare": first_bare["reward/mean"], "step1_reward_slurm": first_slurm["reward/mean"],
+            "reward_abs_diff_by_step": [round(abs(x["reward/mean"] - y["reward/mean"]), 4) for x, y in zip(
+                [r for r in bare if "reward/mean" in r], [r for r in learn if "reward/mean" in r])]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, help="SmolLM2-135M-Instruct as an HF folder (hpcrl data smollm2)")
+    ap.add_argument("--data", type=Path, help="the chain-sum data (hpcrl data reasoning-gym chain_sum ...)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/gpu-slurm"), help="run directories and outputs")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "gpu_slurm.json")
+    ap.add_argument("--cpu", action="store_true", help="tiny model and copy task: the path on a CPU machine")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=500, help="steps of the learn run")
+    ap.add_argument("--bare-steps", type=int, default=40)
+    ap.add_argument("--compare-from", type=int, default=10, help="first step of the step-time comparison")
+    ap.add_argument("--preempt-lo", type=int, default=80)
+    ap.add_argument("--preempt-hi", type=int, default=250)
+    ap.add_argument("--kill-steps", type=int, default=30)
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds a job may take")
+    ap.add_argument("--stages", default="bare,learn,kill,observe")
+    ap.add_argument("--bare-driver", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--nodes", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.bare_driver:
+        return bare_driver(args.bare_driver, json.loads(args.nodes))
+    if not args.cpu and (args.model is None or args.data is None):
+        ap.error("--model and --data are needed (or --cpu)")
+    args.work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+    stages = args.stages.split(",")
+    result: dict = {"settings": {k: str(v) for k, v in vars(args).items() if k not in ("bare_driver", "nodes")}}
+    partial = args.work / "gpu_slurm.partial.json"
+    for stage in stages:
+        t0 = time.time()
+        say(f"== {stage}")
+        if stage == "bare":
+            result["bare"] = run_bare(args)
+        elif stage == "learn":
+            result["learn"] = run_learn(args, rng)
+        elif stage == "kill":
+            result["kill"] = run_kill(args, rng)
+        elif stage == "observe":
+            result["observe"] = observe(Path(result["learn"]["run_dir"]), args.work / "observe")
+        result.setdefault("stage_seconds", {})[stage] = round(time.time() - t0, 1)
+        partial.write_text(json.dumps(result, indent=1))
+    if "bare" in result and "learn" in result:
+        result["overhead"] = summary(result, args.compare_from)
+    args.json.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.get("overhead", {}).items() if k != "reward_abs_diff_by_step"}, indent=1))
+    for name in ("learn", "kill"):
+        if name in result:
+            r = result[name]
+            print(name, {k: v for k, v in r.items() if k not in ("records", "held_out")})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
