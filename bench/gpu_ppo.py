@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 SHAPE = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
              intermediate_size=4864, vocab_size=151936, max_position_embeddings=1024, tie_word_embeddings=False)
@@ -112,11 +113,13 @@ def run_hpcrl(engine: str, work: Path, steps: int, layout: str, model: Path | No
 
 
 def one_hpcrl(engine: str, work: Path, steps: int, layout: str, model: Path | None) -> None:
+    import contextlib
+
     import ray
 
     from hpcrl.ppo.driver import train
-    from hpcrl.raycluster.node import node_resources
     from hpcrl.raycluster.session import start_local
+    from local_nodes import local_nodes
 
     model_dir, prompts = make_inputs(work, model)
     run = run_dir(work, engine, layout, model)
@@ -125,27 +128,23 @@ def one_hpcrl(engine: str, work: Path, steps: int, layout: str, model: Path | No
         os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
         cfg = hpcrl_config(engine, model_dir, prompts, steps, [roles])
         start_local(roles, run_dir=run)
+        nodes = contextlib.nullcontext()
     else:   # two Ray nodes as two hetjob components would give
-        port = 6391
-        head, worker = ["--head", f"--port={port}"], [f"--address=127.0.0.1:{port}"]
         if layout == "two-gpus":      # the critic alone on GPU 1
-            nodes = [("0", ["actor_rollout", "ref", "reward"], head), ("1", ["critic"], worker)]
+            layout_nodes = [(["actor_rollout", "ref", "reward"], "0", 8), (["critic"], "1", 8)]
         else:                         # the rollout role alone; both nodes are GPU 0, which the two processes share
-            nodes = [("0", ["rollout"], head), ("0", roles, worker)]
-        for gpu, members, how in nodes:
-            subprocess.run(["ray", "start", *how, "--node-ip-address=127.0.0.1", "--num-gpus=1", "--num-cpus=8",
-                            f"--resources={node_resources(members)}"],
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu}, check=True, capture_output=True)
-        cfg = hpcrl_config(engine, model_dir, prompts, steps, [nodes[0][1] if layout == "two-gpus" else roles])
+            layout_nodes = [(["rollout"], "0", 8), (roles, "0", 8)]
+        cfg = hpcrl_config(engine, model_dir, prompts, steps, [layout_nodes[0][0] if layout == "two-gpus" else roles])
         if layout != "two-gpus":
             cfg = dataclasses.replace(cfg, rollout_role=True, pipeline="one_step_off" if layout.endswith("pipelined") else "off")
-        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
-    try:
-        train(cfg, run)
-    finally:
-        ray.shutdown()
-        if layout != "one-gpu":
-            subprocess.run(["ray", "stop", "--force"], capture_output=True)
+        nodes = local_nodes(layout_nodes, dict(os.environ), run / "logs" / "ray")
+    with nodes as address:
+        if address:
+            ray.init(address=address, _node_ip_address="127.0.0.1", log_to_driver=False)
+        try:
+            train(cfg, run)
+        finally:
+            ray.shutdown()
 
 
 def run_trl(work: Path, steps: int) -> list[dict]:

@@ -24,7 +24,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 SPECS = {"grpo": ROOT / "jobs" / "smollm2-chain-sum-gpu.yaml", "ppo": ROOT / "jobs" / "smollm2-chain-sum-gpu-ppo.yaml"}
 CPU_SETTINGS = ["train.model_dir=", "train.dataset=", "train.val_dataset=", "train.val_before_train=false", "train.val_every=0",
                 "train.batch_size=8", "train.n_samples=4", "train.max_new_tokens=3", "train.mini_batch_size=32",
@@ -81,58 +81,46 @@ def step_times(recs: list[dict], lo: int, hi: int) -> list[float]:
 # ---------------------------------------------------------------- 1. bare: the same layout without Slurm
 def run_bare(args) -> dict:
     from hpcrl.job import load_spec
-    from hpcrl.slurm.job import parse_mem_mb
     from hpcrl.slurm.submit import write_spec
 
     run = args.work / "bare"
     subprocess.run(["rm", "-rf", str(run)], check=True)
     spec = load_spec(SPECS["grpo"], run_dir=run, overrides=overrides(args, args.bare_steps))
     write_spec(run, spec.as_data())
-    nodes = [(members, spec.roles[members[0]]) for members in spec.component_roles()]
-    say(f"bare: {len(nodes)} local Ray nodes as the job's components: {[m for m, _ in nodes]}")
-    proc = subprocess.run([sys.executable, __file__, "--bare-driver", str(run), "--nodes",
-                           json.dumps([[m, r.gpus_per_node, r.cpus_per_task, parse_mem_mb(r.mem or "4G")] for m, r in nodes])],
-                          cwd=ROOT)
+    # on one GPU every GPU node names GPU 0, as the local cluster's do
+    nodes = [(members, "0" if spec.roles[members[0]].gpus_per_node else "", spec.roles[members[0]].cpus_per_task)
+             for members in spec.component_roles()]
+    say(f"bare: {len(nodes)} local Ray nodes as the job's components: {[n[0] for n in nodes]}")
+    proc = subprocess.run([sys.executable, __file__, "--bare-driver", str(run), "--nodes", json.dumps(nodes)], cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"the bare run exited {proc.returncode}; see {run}")
     return {"run_dir": str(run), "records": records(run)}
 
 
 def bare_driver(run: Path, nodes: list) -> int:
-    """In a process of its own: a local Ray node per component (head first), then the driver, all
-    with the run's token as in a job."""
-    from hpcrl.raycluster.node import node_resources, ray_env
+    """In a process of its own: the nodes (bench/local_nodes.py), then the driver, all with the
+    run's token as in a job."""
+    from hpcrl.raycluster.node import ray_env
     from hpcrl.raycluster.session import _write_token
     from hpcrl.run_dir import RunDir
+    from local_nodes import local_nodes
 
     paths = RunDir(run)
     paths.ray.mkdir(parents=True, exist_ok=True)
     _write_token(paths.ray_token)
     os.environ.update(ray_env(run))     # before Ray is imported: it reads its auth mode then
-    env = dict(os.environ)
     import ray
 
     from hpcrl.job import load_spec
     from hpcrl.ppo.config import PPOConfig
     from hpcrl.ppo.driver import train
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    temp = Path("/tmp") / f"hpcrl-bare-{os.getpid()}"
-    try:
-        for k, (members, gpus, cpus, mem_mb) in enumerate(nodes):
-            where = ["--head", f"--port={port}", "--include-dashboard=false"] if k == 0 else [f"--address=127.0.0.1:{port}"]
-            subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", *where, "--node-ip-address=127.0.0.1",
-                            f"--num-gpus={gpus}", f"--num-cpus={cpus}", f"--resources={node_resources(members)}",
-                            f"--object-store-memory={max(80, mem_mb * 3 // 10) * 2**20}", f"--temp-dir={temp}",
-                            "--disable-usage-stats"],
-                           env={**env, "CUDA_VISIBLE_DEVICES": "0" if gpus else ""}, check=True, capture_output=True)
-        ray.init(address=f"127.0.0.1:{port}", _node_ip_address="127.0.0.1", log_to_driver=False)
-        spec = load_spec(paths.spec, run_dir=run)
-        train(PPOConfig.from_dict(spec.train), run)
-    finally:
-        ray.shutdown()
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True)
+
+    with local_nodes([tuple(n) for n in nodes], dict(os.environ), paths.ray_logs) as address:
+        ray.init(address=address, _node_ip_address="127.0.0.1", log_to_driver=False)
+        try:
+            train(PPOConfig.from_dict(load_spec(paths.spec, run_dir=run).train), run)
+        finally:
+            ray.shutdown()
     return 0
 
 
