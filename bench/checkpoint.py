@@ -7,7 +7,11 @@
   parallel  the same role as 2 data-parallel ranks writing one file with parallel HDF5: each rank
             stages its rows (in a role they stage at once; the slower of the two counts), then one
             MPI step of 2 tasks writes the file (step start + collective write + sync + rename);
-            "mpio_inner" is the write alone, inside the step. Needs h5py with MPI and a Slurm job:
+            "mpio_inner" is the write alone, inside the step. Needs h5py with MPI and a Slurm job
+  memory    peak resident memory of a process that looks at a committed step of that state: reading
+            its file whole (what a resuming driver did), `CheckpointStore.verify` (every checksum, a
+            block at a time: `hpcrl ckpt verify`) and `check` (manifest and sizes: what a resuming
+            driver does now, its roles reading their own files):
 
     python bench/checkpoint.py [--mb 500] [--repeat 3] [--dir /tmp] [--json bench/checkpoint.json]
     sbatch -p cpu -N2 --wait --wrap "python bench/checkpoint.py --dir $PWD/runs"   # with the parallel rows
@@ -70,6 +74,32 @@ def torch_save(state, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+PEAK = """
+import sys
+from pathlib import Path
+from hpcrl.checkpoint.format import read_role_file
+from hpcrl.checkpoint.store import CheckpointStore
+store = CheckpointStore(Path(sys.argv[1]))
+{"whole": lambda: read_role_file(store.role_path(1, "actor")), "verify": lambda: store.verify(1),
+ "check": lambda: store.check(1)}[sys.argv[2]]()
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM")))
+"""
+
+
+def peak_memory(state: dict, work: Path) -> dict[str, float]:
+    """MB of peak resident memory of a fresh process doing each look at one committed step."""
+    from hpcrl.checkpoint.store import CheckpointStore
+
+    store = CheckpointStore(work / "run")
+    store.commit(1, {"actor": {"path": "step_00000001/actor.h5",
+                               **write_role_file(store.role_path(1, "actor"), state, {"step": 1})}}, {"step": 1})
+    out = {how: int(subprocess.run([sys.executable, "-c", PEAK, str(work / "run"), how], check=True,
+                                   capture_output=True, text=True).stdout.split()[-1]) / 1024
+           for how in ("whole", "verify", "check")}
+    shutil.rmtree(work / "run")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mb", type=int, default=500)
@@ -108,15 +138,17 @@ def main() -> None:
             shutil.rmtree(work / "ckpt")
         for f in work.iterdir():
             f.unlink()
+    memory = peak_memory(state, work)
     med = {k: statistics.median(v) for k, v in runs.items()}
     gbs = {k: size / med[k] / 1e9 for k in med}
     print(f"\n{size / 2**20:.0f} MiB role state in {work}, median of {args.repeat}")
     print(f"{'what':<14}{'seconds':>10}{'GB/s':>8}{'vs dd':>8}")
     for k in med:
         print(f"{k:<14}{med[k]:>10.3f}{gbs[k]:>8.2f}{med['dd_write'] / med[k] if k.endswith('write') else float('nan'):>8.2f}")
+    print("peak memory (MB) of a look at a committed step of it: " + ", ".join(f"{k} {v:.0f}" for k, v in memory.items()))
     work.rmdir()
     result = {"bytes": size, "median_s": med, "gb_per_s": gbs, "hdf5_write_vs_dd": med["dd_write"] / med["hdf5_write"],
-              "async_stall_vs_sync": med["async_stall"] / med["sync_stall"]}
+              "async_stall_vs_sync": med["async_stall"] / med["sync_stall"], "peak_memory_mb": memory}
     if parallel:
         result.update(mpio_hosts=parallel, mpio_write_vs_serial=med["hdf5_write"] / med["mpio_write"],
                       mpio_inner_vs_serial=med["hdf5_write"] / med["mpio_inner"])

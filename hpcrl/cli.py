@@ -69,7 +69,12 @@ def cmd_submit(args) -> int:
     if handle.submitit_job is not None and states.get(0) == "COMPLETED":
         print(f"result: {handle.result()}")
     _print_metrics(handle.run_dir)
-    return 0 if all(s == "COMPLETED" for s in states.values()) else 1
+    if all(s == "COMPLETED" for s in states.values()):
+        return 0
+    # FAILED also when training stopped before its last step without a requeue; CANCELLED after hpcrl cancel
+    print(f"error: job {handle.job_id} ended {'/'.join(sorted(set(states.values())))}, not COMPLETED; "
+          f"{RunDir(handle.run_dir).slurm_log(handle.job_id)} says why", file=sys.stderr)
+    return 1
 
 
 def _run_progress(run_dir, say):
@@ -255,7 +260,6 @@ def cmd_status(args) -> int:
 
 def cmd_logs(args) -> int:
     from hpcrl.observe.logs import follow, log_files, merged_lines
-    from hpcrl.observe.status import read_status
 
     run_dir = _run_dir_of(args.target)
     try:
@@ -264,8 +268,7 @@ def cmd_logs(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.follow:
-        follow(run_dir, args.source, args.rank,
-               until=lambda: (read_status(run_dir) or {}).get("state") in ("finished", "failed"))
+        follow(run_dir, args.source, args.rank)
         return 0
     for line in merged_lines(files):
         print(line)
@@ -345,10 +348,11 @@ def cmd_ckpt(args) -> int:
         print(f"{'step':>8} {'status':8} {'MB':>8}  roles (file)")
         for step in steps:
             m = store.manifest(step)
-            status = "ok" if not store.verify(step) else "BAD"
+            status = "ok" if not store.check(step) else "BAD"
             mb = sum(i["bytes"] for i in m["roles"].values()) / 2**20
             roles = ", ".join(f"{r} ({i['path']})" for r, i in m["roles"].items())
             print(f"{step:>8} {status:8} {mb:>8.1f}  {roles}")
+        print("(status: manifest and file sizes; `hpcrl ckpt verify` reads every checksum)")
         return 0
     bad = 0
     for step in [args.step] if args.step is not None else steps:

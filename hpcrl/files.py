@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+from contextlib import contextmanager
 from pathlib import Path
 
 # what makes a run directory refuse a write, as OSError's errno
@@ -15,21 +17,40 @@ STORAGE_ERRNOS = {errno.ENOSPC: "no space left", errno.EDQUOT: "the disk quota i
 
 class StorageError(OSError):
     """The run directory could not take a write (full, over quota, read-only, gone): the run stops
-    with one message that says what is safe and how to go on."""
+    with one message that says what is safe and how to go on. Raised by `writing`, where the write
+    failed: a storage failure is known by the errno of the storage operation, never by an error's text."""
+
+
+# HDF5 reports the system call that failed inside its own message: "..., errno = 28, error message = ..."
+_HDF5_ERRNO = re.compile(r"\berrno = (\d+)\b")
+
+
+@contextmanager
+def writing(path: Path):
+    """Around a write into the run directory: an OSError whose errno says the storage refused it
+    (STORAGE_ERRNOS; HDF5's own report of the failed call included) becomes a StorageError naming path."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except OSError as e:
+        code = e.errno if e.errno in STORAGE_ERRNOS else next(
+            (int(m) for m in _HDF5_ERRNO.findall(str(e)) if int(m) in STORAGE_ERRNOS), None)
+        if code is None:
+            raise
+        raise StorageError(code, f"{STORAGE_ERRNOS[code]} ({os.strerror(code)})", str(path)) from e
 
 
 def storage_failure(error: BaseException) -> str | None:
-    """Why a write failed, where an error (or one it came from, also in another process: a role's
-    traceback travels as text) is the storage refusing it; None for any other error."""
+    """Why a write into the run directory failed, where `error` is (or came from, also in another
+    process: a role's error arrives as a RayTaskError of the same class) a StorageError; None for
+    any other error, whatever its text says."""
     seen = 0
     while error is not None and seen < 10:
-        if isinstance(error, OSError) and error.errno in STORAGE_ERRNOS:
-            return f"{STORAGE_ERRNOS[error.errno]} ({os.strerror(error.errno)})"
-        text = str(error)
-        for code, why in STORAGE_ERRNOS.items():
-            if code != errno.ENOENT and (os.strerror(code) in text or f"[Errno {code}]" in text):
-                return f"{why} ({os.strerror(code)})"
-        error, seen = error.__cause__ or error.__context__, seen + 1
+        inner = getattr(error, "cause", None)   # Ray's copy of a role's error holds the original as its cause
+        if isinstance(error, StorageError) and not isinstance(inner, StorageError):
+            return error.strerror
+        error, seen = inner or error.__cause__ or error.__context__, seen + 1
     return None
 
 
@@ -70,16 +91,17 @@ def atomic_write_text(path: Path, text: str | bytes, mode: int | None = None) ->
     file, never a part of one, even after a crash. `text` may be bytes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if mode is None else mode)
-    try:
-        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if mode is None:
-            os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with writing(path):
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if mode is None else mode)
+        try:
+            with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            if mode is None:
+                os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)

@@ -23,7 +23,9 @@ class RuleEngineWorker(hpcrl.Worker):
         # batches scored: its state, saved in the role's checkpoint file and restored on resume
         self.length_bonus, self.batches = length_bonus, 0
 
-    @hpcrl.register(dispatch=hpcrl.Dispatch.DP_COMPUTE)   # each rank scores its share of the batch
+    # each rank scores its share of the batch; the call changes the role's state (its count): a rank
+    # rebuilt before the next snapshot takes its state back, and the calls since are made again
+    @hpcrl.register(dispatch=hpcrl.Dispatch.DP_COMPUTE, changes_state=True)
     def compute_rule_score(self, batch: hpcrl.Batch) -> hpcrl.Batch:
         self.batches += 1
         digits = torch.tensor([len(p.rstrip("=")) for p in batch["prompt"]])

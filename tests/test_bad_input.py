@@ -2,10 +2,12 @@
 unchecked, every setting has its range, the relations that stop a job are errors; and a fuzz test
 over the shipped specs: every random mutation is either refused by field or renders exactly the
 spec's components and values."""
+import dataclasses
 import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 from hpcrl.job import SpecError, load_spec, parse_spec
 from hpcrl.job.checks import problems_before_submit, run_dir_warnings
 from hpcrl.launch.submit import checked_hetjob, hetjob_of
-from hpcrl.ppo.config import LIMITS, PPOConfig
+from hpcrl.ppo.config import PPOConfig
 from hpcrl.slurm.directives import UnsafeValue
 from hpcrl.slurm.job import format_mem, format_minutes, parse_mem_mb, parse_time_minutes
 from hpcrl.slurm.render import render_hetjob
@@ -75,18 +77,58 @@ def test_a_spec_file_name_cannot_open_a_line_in_the_header(tmp_path):
     assert "rm -rf x.yaml" in script.splitlines()[1] and not any(line.startswith("rm ") for line in script.splitlines())
 
 
-@pytest.mark.parametrize("name", sorted(LIMITS))
-def test_every_numeric_setting_has_its_range(name):
-    low, high = LIMITS[name]
-    below = (low[1] if isinstance(low, tuple) else low - 1) if low is not None else None
-    above = (high[1] if isinstance(high, tuple) else high + 1) if high is not None else None
-    kind = type(getattr(PPOConfig(), name))
-    for value in (v for v in (below, above) if v is not None):
-        with pytest.raises(ValueError, match=rf"train\.{name}: .* out of range; it must be"):
-            PPOConfig.from_dict({name: kind(value) if kind is int else float(value)})
-    if kind is float:
-        with pytest.raises(ValueError, match=rf"train\.{name}: nan is not a finite number"):
-            PPOConfig.from_dict({name: math.nan})
+# the numeric settings as their defaults say (bool is not one), not as the checker picks them
+NUMERIC = {f.name: f for f in dataclasses.fields(PPOConfig) if type(f.default) in (int, float)}
+SIGN = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
+
+
+def test_every_numeric_setting_declares_its_range():
+    undeclared = [name for name, f in NUMERIC.items() if "range" not in f.metadata]
+    assert not undeclared, f"declare each one's range beside it: `{undeclared[0]}: ... = number(default, ge=...)`"
+    assert set(NUMERIC) == {f.name for f in dataclasses.fields(PPOConfig) if f.type in ("int", "float")}
+
+
+def own_problems(name: str, value) -> list[str]:
+    """The problems of one setting set to value (relations to others, named by those, left out)."""
+    return [p for p in PPOConfig(**{name: value}).problems() if p.startswith(f"{name}: ")]
+
+
+@pytest.mark.parametrize("name", sorted(NUMERIC))
+def test_every_numeric_setting_refuses_what_is_outside_its_range(name):
+    kind, bounds = type(NUMERIC[name].default), NUMERIC[name].metadata["range"]
+    allowed = [f"{SIGN[k]} {getattr(bounds, k)}" for k in SIGN if getattr(bounds, k) is not None]
+    step = (lambda b, way: b + way) if kind is int else (lambda b, way: math.nextafter(b, way * math.inf))
+    for value in (math.nan, math.inf, -math.inf):
+        problems = refused({**GOOD, "train": {name: value}})
+        said = [p for p in problems if p.startswith(f"train.{name}: ")]
+        assert said, (value, problems)
+        if kind is float:
+            assert said[0].startswith(f"train.{name}: {value} is not a finite number; it must be ")
+            assert all(a in said[0] for a in allowed), (said, allowed)
+        assert own_problems(name, value), value         # set in code, not read from a spec: the same
+    outside = [step(bounds.ge, -1)] if bounds.ge is not None else []
+    outside += [bounds.gt] if bounds.gt is not None else []
+    outside += [step(bounds.le, 1)] if bounds.le is not None else []
+    outside += [bounds.lt] if bounds.lt is not None else []
+    outside += [step(bounds.off, way) for way in (-1, 1)] if bounds.off is not None else []
+    for value in outside:
+        problems = refused({**GOOD, "train": {name: kind(value)}})
+        said = [p for p in problems if p.startswith(f"train.{name}: {kind(value)} is out of range; it must be ")]
+        assert said and all(a in said[0] for a in allowed), (value, problems)
+    inside = [b for b in (bounds.ge, bounds.le, bounds.off) if b is not None]
+    inside += [step(bounds.gt, 1)] if bounds.gt is not None else []
+    inside += [step(bounds.lt, -1)] if bounds.lt is not None else []
+    for value in inside:
+        assert own_problems(name, kind(value)) == [], value
+
+
+def test_a_numeric_setting_declared_without_a_range_must_still_be_finite():
+    @dataclasses.dataclass
+    class Later(PPOConfig):
+        added: float = 0.5          # a setting added without number(...)
+    assert Later(added=-7.0).problems() == []
+    for value in (math.nan, math.inf, -math.inf):
+        assert Later(added=value).problems() == [f"added: {value} is not a finite number; it must be finite"]
 
 
 def test_relations_that_stop_a_job_are_errors():
@@ -107,6 +149,28 @@ def test_relations_that_stop_a_job_are_errors():
         {**apart, "train": {"pipeline": "one_step_off", "rollout_role": True, "colocate": [["actor_rollout", "rollout"]]}}))
     assert any("train.pipeline: 'two_steps_off' is not off or one_step_off" in p
                for p in refused({**GOOD, "train": {"pipeline": "two_steps_off"}}))
+
+
+def test_a_reward_fn_that_is_no_function_here_is_refused_before_submission(tmp_path):
+    """As roles.<role>.worker is (tests/test_own_roles.py): imported by this process, the job's interpreter."""
+    score = "hpcrl.ppo.tasks.copy_digits:score"
+    cases = {"nopkg.rules:score": "train.reward_fn: 'nopkg.rules:score': module nopkg.rules does not import here",
+             score + "s": f"train.reward_fn: '{score}s': module hpcrl.ppo.tasks.copy_digits has no scores",
+             "hpcrl.ppo.tasks.copy_digits": "train.reward_fn: 'hpcrl.ppo.tasks.copy_digits': write it as "
+                                            "'package.module:name'",
+             "hpcrl.ppo.rewards:PREFIXES": "train.reward_fn: 'hpcrl.ppo.rewards:PREFIXES' is not a function "
+                                           "(def score(prompt, response, **fields) -> float)"}
+    for path, message in cases.items():
+        problems = refused({**GOOD, "train": {"reward_fn": path}})
+        assert any(p.startswith(message) for p in problems), (message, problems)
+    assert any("(def score(prompts, responses, **fields) -> a score per sample)" in p for p in refused(
+        {**GOOD, "train": {"reward_fn": "hpcrl.ppo.rewards:PREFIXES", "reward_batched": True}}))
+    checked_hetjob(parse_spec({**GOOD, "train": {"reward_fn": score}}), offline=True)     # a function: taken
+    # hpcrl submit refuses it before anything is written (no Slurm needed to see that)
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(yaml.safe_dump({**GOOD, "run_dir": str(tmp_path / "run"), "train": {"reward_fn": score + "s"}}))
+    out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and cases[score + "s"] in out.stderr and not (tmp_path / "run").exists(), out.stderr
 
 
 def test_a_run_directory_that_cannot_be_written_is_refused(tmp_path):

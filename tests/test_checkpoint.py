@@ -294,3 +294,77 @@ srun --mpi=pmix --ntasks=2 --overlap {sys.executable} -c '{MPIO_READER}' {serial
     back, _ = read_role_file(parallel)                                 # checksums verified on the way
     assert same(back, state)
     assert digests == {k: zlib.crc32(v[2]) for k, v in s_sets.items()}
+
+
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec (it would be pytest's own peak)
+PEAK_RSS = """
+import sys
+from hpcrl.cli import main
+code = main(sys.argv[1:])
+print("peak_kb", next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM")))
+sys.exit(code)
+"""
+
+
+def peak_rss_mb(*args) -> tuple[int, float, str]:
+    """(exit code, the command's peak resident memory in MB, its output) of `hpcrl ARGS`."""
+    out = subprocess.run([sys.executable, "-c", PEAK_RSS, *args], capture_output=True, text=True, cwd=ROOT)
+    peak = int(next(line.split()[1] for line in out.stdout.splitlines() if line.startswith("peak_kb")))
+    return out.returncode, peak / 1024, out.stdout
+
+
+def test_ls_and_verify_of_a_gigabyte_step_stay_in_little_memory(tmp_path):
+    """`ckpt ls` reads no role file; `ckpt verify` reads each a block at a time: against the same
+    commands on a 4 MB step, a 1 GB step costs them no more than a block or two."""
+    sizes = {}
+    for name, floats in (("small", 2**20), ("big", 2**28)):
+        store = CheckpointStore(tmp_path / name)
+        files = {"actor": {"path": "step_00000001/actor.h5",
+                           **write_role_file(store.role_path(1, "actor"), {"w": torch.randn(floats // 2**16, 2**16)},
+                                             {"step": 1})}}
+        store.commit(1, files, {"step": 1})
+        for action in ("ls", "verify"):
+            code, peak, out = peak_rss_mb("ckpt", action, str(tmp_path / name))
+            assert code == 0 and ("step 1: ok" in out if action == "verify" else "ok" in out), out
+            sizes[name, action] = peak
+    for action in ("ls", "verify"):
+        assert sizes["big", action] - sizes["small", action] < 200, sizes     # the file is 1024 MB
+
+
+def test_a_resuming_run_skips_a_step_a_role_finds_damaged(tmp_path, caplog):
+    """The driver reads manifests only; the critic, loading its file of the newest step, finds a
+    flipped byte, and every role resumes from the step before."""
+    import ray
+
+    from hpcrl.ppo.driver import train
+    from hpcrl.raycluster.session import start_local
+
+    cfg = PPOConfig(total_steps=4, save_every=2, keep_last=2, progress=False)
+    roles = ["actor_rollout", "critic", "ref", "reward"]
+    start_local(roles, run_dir=tmp_path, num_cpus=2)
+    try:
+        train(cfg, tmp_path)
+    finally:
+        ray.shutdown()
+    start_local(roles, run_dir=tmp_path, num_cpus=2)      # a new start of the run, with new processes
+    try:
+        store = CheckpointStore(tmp_path)
+        path = store.role_path(4, "critic")
+        with h5py.File(path) as f:
+            datasets = []
+            f.visititems(lambda name, obj: datasets.append(obj) if isinstance(obj, h5py.Dataset) else None)
+            offset = max(datasets, key=lambda d: d.size).id.get_offset()
+        with open(path, "r+b") as fh:
+            fh.seek(offset + 8)
+            byte = fh.read(1)
+            fh.seek(offset + 8)
+            fh.write(bytes([byte[0] ^ 0x40]))
+        assert not store.check(4) and store.verify(4), "the flip is inside the data, not the size"
+        with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
+            train(dataclasses.replace(cfg, total_steps=6), tmp_path)
+    finally:
+        ray.shutdown()
+    starts = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
+              if json.loads(line)["event"] == "start"]
+    assert starts[-1]["resumed"] and starts[-1]["step"] == 2, starts
+    assert "checkpoint step 4 is unusable (critic: " in caplog.text and "fails its checksum" in caplog.text

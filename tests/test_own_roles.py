@@ -77,8 +77,10 @@ def test_own_role_on_its_component_and_own_loop_killed_and_preempted_train_as_th
     once, twice = tmp_path / "once", tmp_path / "twice"
     job = submit(rules_spec(tmp_path, "own", STEPS, driver="hpcrl.jobs.own_loop:main"), twice)
     plain = submit(keeping_off(rules_spec(tmp_path, "builtin", STEPS), twice), once)     # at the same time, elsewhere
-    kill_at = random.Random().randint(3, 10)
-    wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= kill_at, 300, f"{kill_at} steps")
+    seed = random.randrange(2**32)
+    kill_at = random.Random(seed).randint(3, 10)
+    print(f"kill after step {kill_at} (seed {seed})")        # shown with a failure
+    wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= kill_at, 300, f"{kill_at} steps (seed {seed})")
     roles = lambda: json.loads((twice / "status.json").read_text())["roles"]  # noqa: E731
     before = {r: s["ranks"][0]["pid"] for r, s in roles().items()}
     kill_dead(before["rule_engine"])

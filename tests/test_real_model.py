@@ -170,6 +170,9 @@ def test_a_scorer_that_raises_fails_the_step_by_name(tmp_path, monkeypatch):
                      r"data_source digits: ZeroDivisionError: the scorer divided by zero", status["error"]), status["error"]
     log = (tmp_path / "run" / "logs" / "reward" / "rank0.log").read_text()
     assert 'my_scorer.py", line 4, in score' in log                 # the scorer's own traceback
+    fail = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()][-1]
+    assert fail["event"] == "fail" and fail["origin"]["role"] == "reward" and fail["origin"]["method"] == "compute_scores"
+    assert "(role reward, rank 0, compute_scores)" in status["error"] and 'my_scorer.py", line 4' in fail["traceback"]
 
 
 def real_spec(tmp_path, name, model, data, **train):
@@ -258,8 +261,10 @@ def test_grpo_on_the_real_model_is_preempted_and_resumes_bitwise(slurm_cluster, 
     wait_until(lambda: job_finished(job), 900, "the uninterrupted GRPO hetjob")
     assert len(read_metrics(once / "metrics.jsonl")) == 4, slurm_log(once)
     job = submit(spec, twice)
-    at = random.Random().randint(1, 2)
-    wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= at, 600, f"{at} steps")
+    seed = random.randrange(2**32)
+    at = random.Random(seed).randint(1, 2)
+    print(f"preempted after step {at} (seed {seed})")        # shown with a failure
+    wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= at, 600, f"{at} steps (seed {seed})")
     preempt_and_finish(twice, job, timeout=900)
     assert_same_training(once, twice, 4, roles=("actor_rollout",))
     assert np.isfinite([r["reward/mean"] for r in read_metrics(twice / "metrics.jsonl")]).all()

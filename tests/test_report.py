@@ -1,12 +1,18 @@
-"""`hpcrl report` on a run with a requeue in it: the PNGs, and an index.html a browser renders."""
+"""`hpcrl report` on a run with a requeue in it: the PNGs, and an index.html a browser renders;
+`hpcrl logs -f`: whole lines, each once, until the run has ended."""
+import io
 import json
 import re
 import subprocess
 import sys
 
-from conftest import ROOT, plot_pixels_seen_by_chromium
+import pytest
+from conftest import ROOT, plot_pixels_seen_by_chromium, sh, wait_until
 
+from hpcrl.observe.logs import follow, run_ended
 from hpcrl.observe.report import CURVES, restarts, timeline_spans
+from hpcrl.observe.status import RunStatus
+from hpcrl.slurm.submit import component_states
 
 
 def fake_requeued_run(run):
@@ -102,3 +108,57 @@ def test_the_held_out_score_is_drawn_against_training_time_off_the_validation_cl
                    check=True)
     assert {"validation.png", "validation_time.png"} <= {p.name for p in (run / "report").glob("*.png")}
     assert 'src="validation_time.png"' in (run / "report" / "index.html").read_text()
+
+
+def test_follow_prints_a_line_written_in_two_halves_once_whole_and_ends_with_the_run(tmp_path):
+    """hpcrl logs -f: a line waits for its end (here cut inside a 4-byte character), is printed once
+    and whole; a last line without its newline is printed when the run has ended, and follow returns."""
+    run = tmp_path / "run"
+    log = run / "logs" / "critic" / "rank0.log"
+    log.parent.mkdir(parents=True)
+    status = RunStatus(run, total_steps=2)                          # starting: a local run, not over
+    lines = ["2025-01-02 03:04:05 [critic rank0] step 1", "2025-01-02 03:04:06 [critic rank0] Größe ≥ 10 ✓ 🚀 done",
+             "2025-01-02 03:04:07 [critic rank0] the last, without its newline"]
+    wide = (lines[1] + "\n").encode()
+    cut = wide.index("🚀".encode()) + 2
+    log.write_bytes((lines[0] + "\n").encode() + wide[:cut])
+
+    def append(data: bytes):
+        with open(log, "ab") as f:
+            f.write(data)
+    # before each poll of follow: the file as it is, the line's end, a last line, the run's end
+    steps = [lambda: None, lambda: append(wide[cut:]), lambda: append(lines[2].encode()),
+             lambda: status.event("finish", step=2)]
+    polls = []
+
+    def before_poll() -> bool:
+        polls.append(len(polls))
+        if len(polls) <= len(steps):
+            steps[len(polls) - 1]()
+        return len(polls) > 2 * len(steps)       # a guard: a follow that misses the end stops here
+    out = io.StringIO()
+    follow(run, None, None, poll_s=0, out=out, until=before_poll)
+    assert out.getvalue() == "".join(f"critic/rank0  {line}\n" for line in lines)
+    assert len(polls) == len(steps)          # it returned at the poll that found the run finished
+
+
+@pytest.mark.slurm
+def test_follow_ends_with_the_job_not_with_a_stopped_driver(slurm_cluster, tmp_path):
+    """A driver that stopped (a deadline) is requeued while its job lives: following goes on. A job
+    cancelled under a running driver (it never says it ended): following ends, its lines printed."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    job = sh("sbatch", "--parsable", "--hold", "--partition=cpu", "--output=/dev/null", "--wrap=true").strip()
+    try:
+        (run / "job.json").write_text(json.dumps({"job_id": job}))
+        (run / "logs" / f"slurm-{job}.out").write_text("[hpcrl] stopping at step 3: deadline\n")
+        status = RunStatus(run, total_steps=5)
+        status.event("stop", step=3, reason="deadline")
+        assert component_states(job) == {0: "PENDING"} and not run_ended(run)
+        status.phase(4, "generate")          # the requeued driver, killed with its job below
+    finally:
+        sh("scancel", job)
+    wait_until(lambda: component_states(job) == {0: "CANCELLED"}, 60, f"job {job} cancelled")
+    polls, out = [], io.StringIO()
+    follow(run, None, None, poll_s=0, out=out, until=lambda: polls.append(1) or len(polls) > 3)
+    assert out.getvalue() == "driver  [hpcrl] stopping at step 3: deadline\n" and len(polls) == 1

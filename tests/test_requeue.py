@@ -10,8 +10,9 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import (ROOT, comparable, in_container, in_image, job_finished, kill_dead, plot_pixels_seen_by_chromium,
-                      preempt_and_finish, sh, slurm_log, start_local_training, submit, wait_until)
+from conftest import (ROOT, comparable, in_container, in_image, job_finished, job_records, kill_dead,
+                      plot_pixels_seen_by_chromium, preempt_and_finish, sh, slurm_log, start_local_training, submit,
+                      wait_until)
 
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import PPOConfig
@@ -53,6 +54,40 @@ def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
     assert start_local_training(tmp_path / "twice", cfg).wait(timeout=600) == 0
     assert once.wait(timeout=600) == 0
     assert_same_training(tmp_path / "once", tmp_path / "twice", 12)
+
+
+@pytest.mark.parametrize("rc,requeue,restarts,cancelled,status,slurm,said", [
+    (0, True, 0, False, 0, [], None),                                      # trained to the last step
+    (1, True, 0, False, 1, [], "the driver exited with 1 (its error is above): training did not finish; "
+                               "the job ends FAILED"),
+    (3, False, 0, False, 3, [], "not requeued: requeue is off in the spec; training stopped before its last "
+                                "step, at its last checkpoint: the job ends FAILED (exit 3)"),
+    (3, True, 2, False, 3, [], "not requeued: restart count 2 has reached max_restarts 2; training stopped "
+                               "before its last step"),
+    (3, True, 1, False, 0, [("scontrol", "requeue", "77")],
+     "requeueing job 77 after a checkpoint (restart 2 of at most 2)"),
+    (3, False, 2, True, 0, [("scancel", "77")], "not requeued: hpcrl cancel asked"),
+])
+def test_the_batch_script_fails_the_job_only_when_training_stopped_early_and_goes_no_further(
+        tmp_path, monkeypatch, capsys, rc, requeue, restarts, cancelled, status, slurm, said):
+    """The requeue step's exit status is the batch script's, so the job's state: FAILED where training
+    stopped before its last step and the job neither requeues nor was cancelled (then it cancels itself)."""
+    from hpcrl.run_dir import RunDir
+    from hpcrl.slurm import requeue as step
+
+    calls = []
+    monkeypatch.setattr(step, "slurm_cmd", lambda *args: calls.append(args) or "")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
+    monkeypatch.setenv("HPCRL_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCRL_REQUEUE", "1" if requeue else "0")
+    monkeypatch.setenv("HPCRL_MAX_RESTARTS", "2")
+    if cancelled:
+        RunDir(tmp_path).cancel.touch()
+    assert step.after(rc) == status
+    assert calls == slurm
+    out = capsys.readouterr().out
+    assert said in out if said else out == "", out
 
 
 def short_spec(tmp_path, name, job="tiny-cpu.yaml", steps=40, **overrides):
@@ -157,9 +192,12 @@ def test_time_limit_checkpoints_and_requeues_until_max_restarts(time_limited_job
     assert log.count("checkpoint committed") == 2, log
     assert f"requeueing job {job} after a checkpoint (restart 1 of at most 1" in log
     assert "resumed from checkpoint step" in log
-    assert "not requeued: restart count 1 has reached max_restarts 1" in log
+    assert "not requeued: restart count 1 has reached max_restarts 1; training stopped before its last step" in log
     steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
     assert steps == list(range(1, len(steps) + 1))   # appended once per step: nothing lost, nothing twice
+    assert len(steps) < 1000
+    # stopped part way and not requeued again: a failed job, with the driver's exit status 3
+    assert {(r["JobState"], r["ExitCode"]) for r in job_records(job)} == {("FAILED", "3:0")}, job_records(job)
 
 
 @pytest.mark.slurm

@@ -108,6 +108,53 @@ def test_submitit_via_cli(slurm_cluster, tmp_path):
     assert "result: {'job_id'" in out.stdout and "COMPLETED" in out.stdout
 
 
+def test_a_run_stopped_before_its_last_step_fails_and_a_cancelled_one_is_cancelled(slurm_cluster, tmp_path):
+    """Two GRPO runs side by side, each followed by `hpcrl submit --wait`. One with requeue off gets
+    Slurm's USR1 (as before a time limit) after its first step: it stops at a checkpoint, is not
+    requeued, and its job ends FAILED, exit 3, saying why. The other gets `hpcrl cancel`: it ends
+    CANCELLED. `submit --wait` exits 1 for both (0 only for a completed job), naming the state."""
+    from hpcrl.observe.metrics import read_metrics
+
+    runs = {}
+    for name, requeue in (("stopped", False), ("cancelled", True)):
+        data = yaml.safe_load((ROOT / "jobs" / "tiny-cpu-grpo.yaml").read_text())
+        data["requeue"] = requeue
+        data["train"]["progress"] = False
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(yaml.safe_dump(data, sort_keys=False))
+        runs[name] = (tmp_path / name, subprocess.Popen(
+            [sys.executable, "-m", "hpcrl", "submit", str(spec), "--run-dir", str(tmp_path / name), "--wait"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT))
+    try:
+        for run, _ in runs.values():
+            wait_until(lambda: read_metrics(run / "metrics.jsonl"), 400, f"{run.name}'s first step", poll=0.5)
+        job = {name: json.loads((run / "job.json").read_text())["job_id"] for name, (run, _) in runs.items()}
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job["stopped"]], check=True)
+        cancel = subprocess.run([sys.executable, "-m", "hpcrl", "cancel", str(runs["cancelled"][0])],
+                                capture_output=True, text=True, cwd=ROOT)
+        assert cancel.returncode == 0, cancel.stdout + cancel.stderr
+        out = {name: proc.communicate(timeout=300) for name, (_, proc) in runs.items()}
+    finally:
+        for run, proc in runs.values():
+            proc.kill()
+            if (run / "job.json").exists():
+                subprocess.run(["scancel", json.loads((run / "job.json").read_text())["job_id"]], capture_output=True)
+    for name, state in (("stopped", "FAILED"), ("cancelled", "CANCELLED")):
+        run, proc = runs[name]
+        stdout, stderr = out[name]
+        assert proc.returncode == 1, stdout + stderr
+        assert f"0:actor_rollout={state}" in stdout, stdout
+        assert f"error: job {job[name]} ended {state}, not COMPLETED; {run}/logs/slurm-{job[name]}.out says why" \
+            in stderr, stderr
+        assert next(r for r in job_records(job[name]) if r["HetJobOffset"] == "0")["JobState"] == state
+        assert len(read_metrics(run / "metrics.jsonl")) < 300
+    assert {(r["JobState"], r["ExitCode"]) for r in job_records(job["stopped"])} == {("FAILED", "3:0")}
+    log = (runs["stopped"][0] / "logs" / f"slurm-{job['stopped']}.out").read_text()
+    assert re.search(r"stopped after step \d+ \(SIGUSR1", log), log
+    assert ("not requeued: requeue is off in the spec; training stopped before its last step, at its last "
+            "checkpoint: the job ends FAILED (exit 3)") in log, log
+
+
 @pytest.mark.parametrize("patch,top,field", [
     ({"critic": {"partition": "v100"}}, {}, "roles.critic.partition: no partition 'v100'"),
     ({"critic": {"gpu_type": "a100"}}, {}, "roles.critic: gres gpu:a100:1 per node on 1 node(s) is not available"),

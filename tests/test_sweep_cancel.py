@@ -2,6 +2,8 @@
 (all checked first, --max-running through Slurm dependencies), `hpcrl cancel` ends a running job
 after a committed checkpoint and `hpcrl submit --resume` continues it, `hpcrl ls` shows the states."""
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -32,6 +34,7 @@ def test_sweep_words_make_axes_and_every_combination():
         parse_sweep(["train.seed=1,2", "train.seed=3"])
 
 
+@pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_cluster")
 def test_one_bad_combination_submits_nothing(tmp_path):
     before = queue_ids()
@@ -76,6 +79,7 @@ def sweep_dir(tmp_path, slurm_cluster):
         sh("scancel", json.loads(job.read_text())["job_id"], check=False)
 
 
+@pytest.mark.slurm
 def test_a_sweep_runs_every_combination_and_a_cancelled_run_resumes(sweep_dir):
     out = hpcrl("sweep", SPEC, "train.actor_lr=3e-4,1e-3", "train.seed=1,2", "train.total_steps=12",
                 "--max-running", "3", "--run-dir", str(sweep_dir))
@@ -92,13 +96,23 @@ def test_a_sweep_runs_every_combination_and_a_cancelled_run_resumes(sweep_dir):
         train = yaml.safe_load((sweep_dir / run["name"] / "spec.yaml").read_text())["train"]
         assert (train["actor_lr"], train["seed"], train["total_steps"]) == (lr, seed, 12)
 
-    # cancel the first once it has trained a step: a last checkpoint, no requeue, state CANCELLED
+    # cancel the first once it has trained a step: a last checkpoint, no requeue, state CANCELLED. Its
+    # driver is held (SIGSTOP) while the commands start, so that its 12 steps cannot end first
     first = sweep_dir / names[0]
     wait_until(lambda: read_metrics(first / "metrics.jsonl"), 400, "the first run's first step", poll=0.5)
-    listing = hpcrl("ls", str(sweep_dir)).stdout
-    assert {names[0]: "RUNNING", names[3]: "PENDING"}.items() <= {
-        line.split()[0]: line.split()[2] for line in listing.splitlines()[1:]}.items(), listing
-    out = hpcrl("cancel", str(first))
+    driver = json.loads((first / "status.json").read_text())["pid"]
+    os.kill(driver, signal.SIGSTOP)
+    try:
+        listing = hpcrl("ls", str(sweep_dir)).stdout
+        assert {names[0]: "RUNNING", names[3]: "PENDING"}.items() <= {
+            line.split()[0]: line.split()[2] for line in listing.splitlines()[1:]}.items(), listing
+        cancelling = subprocess.Popen([sys.executable, "-m", "hpcrl", "cancel", str(first)], cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        wait_until(lambda: (first / "cancel").exists() or cancelling.poll() is not None, 120, "the cancel asked")
+    finally:
+        os.kill(driver, signal.SIGCONT)
+    stdout, stderr = cancelling.communicate(timeout=600)
+    out = subprocess.CompletedProcess(cancelling.args, cancelling.returncode, stdout, stderr)
     assert out.returncode == 0, out.stdout + out.stderr
     assert leader_state(jobs[0]) == "CANCELLED"
     stop = [e for e in map(json.loads, (first / "events.jsonl").read_text().splitlines()) if e["event"] == "stop"]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from hpcrl._version import __version__
-from hpcrl.files import free_bytes, replace_durably
+from hpcrl.files import free_bytes, replace_durably, writing
 
 FORMAT_VERSION = 1
 
@@ -86,6 +86,12 @@ def snapshot(state: dict) -> dict:
     return _unflatten(_flatten(state, "", tensors := {}), lambda p: tensors[p].detach().to("cpu", copy=True))
 
 
+def state_bytes(state: dict) -> int:
+    """The bytes of every tensor in state."""
+    _flatten(state, "", tensors := {})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def tensor_arrays(state: dict) -> tuple[Any, dict[str, tuple[np.ndarray, str]]]:
     """(the JSON skeleton, {dataset name: (array, hpcrl dtype)}) of a state: what a role file holds."""
     tensors: dict[str, torch.Tensor] = {}
@@ -111,10 +117,16 @@ def write_role_file(path: Path, state: dict, attrs: dict) -> dict:
     """Atomically write one role's state; returns {"bytes", "datasets"} for the manifest.
 
     Checksums run on a second thread while h5py writes (zlib releases the GIL, h5py does not),
-    so they cost no wall time on a host with a spare core."""
+    so they cost no wall time on a host with a spare core. A write the storage refuses raises
+    StorageError."""
+    path = Path(path)
+    with writing(path):
+        return _write_role_file(path, state, attrs)
+
+
+def _write_role_file(path: Path, state: dict, attrs: dict) -> dict:
     import h5py
 
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     skeleton, arrays = tensor_arrays(state)
@@ -142,8 +154,12 @@ def dataset_name(name: str) -> str:
     return name.lstrip("/") or "root"
 
 
+class DamagedFile(ValueError):
+    """A role file whose data no longer matches its checksums."""
+
+
 def read_role_file(path: Path) -> tuple[dict, dict]:
-    """(state, attrs); raises ValueError when a dataset's checksum does not match.
+    """(state, attrs); raises DamagedFile when a dataset's checksum does not match.
 
     Each dataset's checksum runs on a second thread while the next one is read."""
     import h5py
@@ -161,14 +177,35 @@ def read_role_file(path: Path) -> tuple[dict, dict]:
         attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items() if k != "skeleton"}
         for name, expected, crc in checks:
             if crc.result() != expected:
-                raise ValueError(f"{path}: dataset {name} fails its checksum")
+                raise DamagedFile(f"{path}: dataset {name} fails its checksum")
     return state, attrs
 
 
+VERIFY_BLOCK = 64 * 2**20     # bytes read at a time: verifying holds this much, whatever the file's size
+
+
 def verify_role_file(path: Path) -> str | None:
-    """None if every dataset reads back with its checksum; else what is wrong."""
+    """None if every dataset reads back with its checksum; else what is wrong. A block of rows at a
+    time: a file of any size is checked in VERIFY_BLOCK of memory."""
+    import h5py
+
+    def datasets(f) -> list:
+        found = []
+        f.visititems(lambda name, obj: found.append((name, obj)) if isinstance(obj, h5py.Dataset) else None)
+        return found
     try:
-        read_role_file(path)
+        with h5py.File(path, "r", locking=False) as f:
+            json.loads(f.attrs["skeleton"])
+            for name, ds in datasets(f):
+                if ds.ndim == 0:
+                    crc = crc32(np.asarray(ds[()]))
+                else:
+                    rows = max(1, VERIFY_BLOCK // max(1, ds.dtype.itemsize * (ds.size // max(1, ds.shape[0]))))
+                    crc = 0
+                    for start in range(0, ds.shape[0], rows):
+                        crc = zlib.crc32(np.ascontiguousarray(ds[start:start + rows]).view(np.uint8).reshape(-1).data, crc)
+                if crc != int(ds.attrs["crc32"]):
+                    return f"{path.name}: dataset {name} fails its checksum"
     except FileNotFoundError:
         return f"{path.name} missing"
     except Exception as e:  # noqa: BLE001 - h5py raises many kinds for a damaged file

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl.files import replace_durably
+from hpcrl.files import replace_durably, writing
 from hpcrl.probe import interpreter_problem
 from hpcrl.slurm.mpi_step import inside_job, run_mpi_step
 
@@ -79,6 +79,11 @@ def temporary_path(path: Path) -> Path:
 def stage(path: Path, state: dict, attrs: dict, rank: int, world: int) -> None:
     """This rank's share of path: its rows of every tensor, and the checksums of datasets
     i ≡ rank (mod world) over their whole arrays (each rank holds the whole state)."""
+    with writing(path):
+        _stage(path, state, attrs, rank, world)
+
+
+def _stage(path: Path, state: dict, attrs: dict, rank: int, world: int) -> None:
     from hpcrl.checkpoint.format import crc32, dataset_name, file_attrs, tensor_arrays  # torch: not in the MPI tasks
 
     skeleton, arrays = tensor_arrays(state)

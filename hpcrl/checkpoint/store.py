@@ -7,8 +7,10 @@
     RUN_DIR/ckpt/LATEST                           "step_00000120", updated after the manifest
 
 Every file is written under a temporary name, fsynced and renamed (role files: hpcrl/checkpoint/
-format.py), so a crash at any moment leaves the previous committed step intact; `verify` checks a
-step's files and checksums and `latest_good` walks back past a damaged one. Frozen roles are
+format.py), so a crash at any moment leaves the previous committed step intact; `check` looks at a
+step's manifest and file sizes, `verify` also at every checksum (a block at a time), and
+`latest_good` walks back past a damaged one. A resuming run reads no role file in the driver: each
+role checks its own as it loads it (hpcrl/checkpoint/commit.py). Frozen roles are
 written once; later manifests point to that file.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hpcrl.checkpoint.format import FORMAT_VERSION, verify_role_file
@@ -68,8 +71,9 @@ class CheckpointStore:
     def manifest(self, step: int) -> dict:
         return json.loads((self.step_dir(step) / "MANIFEST.json").read_text())
 
-    def verify(self, step: int) -> list[str]:
-        """What is wrong with a step (empty: good): manifest, every role file and its checksums."""
+    def check(self, step: int) -> list[str]:
+        """What is wrong with a step without reading its role files (empty: good as far as that goes):
+        the manifest, each role file there at the size it says, the batches generated ahead."""
         try:
             m = self.manifest(step)
         except (OSError, ValueError) as e:
@@ -77,18 +81,31 @@ class CheckpointStore:
         problems = []
         for role, info in m["roles"].items():
             path = self.root / info["path"]
-            if path.exists() and path.stat().st_size != info["bytes"]:
+            if not path.exists():
+                problems.append(f"{role}: {path.name} missing")
+            elif path.stat().st_size != info["bytes"]:
                 problems.append(f"{info['path']}: {path.stat().st_size} bytes, the manifest says {info['bytes']}")
-                continue
-            problem = verify_role_file(path)
-            if problem:
-                problems.append(f"{role}: {problem}")
         if m.get("inflight") and (problem := inflight_problem(self.root / m["inflight"]["path"], m["inflight"])):
             problems.append(problem)
         return problems
 
+    def verify(self, step: int) -> list[str]:
+        """What is wrong with a step (empty: good): check(), then every role file's checksums, the files
+        at once, each read a block at a time (a multi-GB step in little memory)."""
+        problems = self.check(step)
+        if problems:
+            return problems
+        roles = self.manifest(step)["roles"]
+        with ThreadPoolExecutor(max(1, len(roles))) as pool:     # zlib runs beside the reads of the others
+            found = pool.map(lambda item: (item[0], verify_role_file(self.root / item[1]["path"])), roles.items())
+            return [f"{role}: {problem}" for role, problem in found if problem]
+
     def refused_write(self, why: str, step: int) -> str:
         """What to tell a user whose run directory refused a write (a full disk) during `step`."""
+        if not self.root.parent.exists():
+            return (f"the run directory {self.root.parent} is gone (deleted, moved, or its filesystem unmounted) "
+                    f"during step {step}: {why}; what it held is where it went, if anywhere: put it back and "
+                    "continue with `hpcrl submit SPEC --resume`, or submit again")
         try:
             steps = self.committed_steps()
             last = steps[-1] if steps else None

@@ -2,7 +2,8 @@
 from hpcrl.controller.dispatch import Dispatch, DispatchMode, register, register_dispatch
 from hpcrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hpcrl.controller.worker import Worker, local_worker
-from hpcrl.controller.worker_group import GroupFuture, RoleRestartLimit, WorkerGroup, follow_nodes
+from hpcrl.controller.worker_group import GroupFuture, RoleRestartLimit, RoleStateLost, WorkerGroup, follow_nodes
 
 __all__ = ["Dispatch", "DispatchMode", "register", "register_dispatch", "ResourcePool", "ResourcePoolError",
-           "Worker", "local_worker", "WorkerGroup", "GroupFuture", "RoleRestartLimit", "follow_nodes"]
+           "Worker", "local_worker", "WorkerGroup", "GroupFuture", "RoleRestartLimit", "RoleStateLost",
+           "follow_nodes"]

@@ -102,12 +102,21 @@ def resolve(dispatch: DispatchMode | str) -> DispatchMode:
                      f"DP_COMPUTE{''.join(', ' + n for n in _CUSTOM)} or register_dispatch() your own")
 
 
-def register(dispatch: DispatchMode | str = Dispatch.ONE_TO_ALL):
-    """Mark a Worker method as a WorkerGroup method called with this dispatch mode."""
+def register(dispatch: DispatchMode | str = Dispatch.ONE_TO_ALL, *, changes_state: bool = False, keeps: bool = False):
+    """Mark a Worker method as a WorkerGroup method called with this dispatch mode.
+
+    changes_state: the call changes what the role's checkpoint holds (an optimizer step). Once it
+    has returned, the group keeps the call: if a process of the group dies before the role's next
+    snapshot or checkpoint, the rebuilt group takes that state back and makes these calls again.
+    keeps: the method returns (result, kept); the driver gets the result, and `future.kept` holds
+    one object ref per rank to `kept`, which stays in the object store of that rank's node, owned
+    by the driver (it outlives the process that made it) and is never fetched by the driver."""
     mode = resolve(dispatch)
 
     def mark(fn):
         fn.__hpcrl_dispatch__ = mode
+        fn.__hpcrl_changes_state__ = changes_state
+        fn.__hpcrl_keeps__ = keeps
         return fn
     return mark
 

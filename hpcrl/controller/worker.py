@@ -164,6 +164,11 @@ class WorkerHost:
         self.current, start = role, time.time()
         try:
             return getattr(self.workers[role], method)(*args, **kwargs)
+        except Exception as e:
+            # where it came from travels with the error (pickled with it) and shows in its traceback
+            e.hpcrl_origin = {"role": role, "rank": self.rank, "method": method, "pid": os.getpid()}
+            e.add_note(f"[hpcrl] raised in role {role}, rank {self.rank}, method {method} (pid {os.getpid()})")
+            raise
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

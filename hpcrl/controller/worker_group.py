@@ -9,9 +9,12 @@
 rank and still returns one WorkerGroup per role, so training code does not change with layout.
 
 When a worker process dies, the call that saw it rebuilds every process of that group (their
-torch.distributed group is broken anyway) in the same placement group, runs the group's restore
-hooks (a role's checkpoint, or nothing: the workers start from their init), and retries. Roles
-in other groups are untouched. More than `restart_limit` rebuilds in an hour fail the run.
+torch.distributed group is broken anyway) in the same placement group, puts each role's state
+back (its `on_restore` hooks: the role's newest snapshot or checkpoint, or nothing: the workers
+start from their init), makes again the state-changing calls (`@register(changes_state=True)`)
+that returned since that state was taken, runs the `on_restart` hooks, and retries. So a rebuilt
+role holds exactly the state it had, and the run goes on as if nothing happened. Roles in other
+groups are untouched. More than `restart_limit` rebuilds in an hour fail the run.
 With `standby=True` every rank has an idle process beside it (torch imported, nothing reserved)
 that takes its place, so a rebuild pays no process start and no torch import.
 
@@ -46,6 +49,11 @@ class RoleRestartLimit(RuntimeError):
     """A role died more often than its restart limit allows; the run cannot go on."""
 
 
+class RoleStateLost(RuntimeError):
+    """A rebuilt role's state could not be had (it went with its node): the run stops, to resume
+    every role from the newest committed step rather than mix states."""
+
+
 class _HostSet:
     """The actor processes behind one WorkerGroup, or behind several colocated ones."""
 
@@ -59,7 +67,14 @@ class _HostSet:
         self.restart_limit, self.dist_timeout_s = restart_limit, dist_timeout_s
         self.restarts: deque[float] = deque()
         self.restarts_total, self.state, self.last_error = 0, "starting", None
-        self.restore_hooks: list[Callable[[], None]] = []
+        self.state_hooks: list[Callable[[], None]] = []     # each role's state back, after a rebuild
+        self.restore_hooks: list[Callable[[], None]] = []   # then, once the state is back
+        # the state-changing calls that returned since their role's state was last taken (snapshot,
+        # checkpoint), numbered in the order they were issued (the order a process runs them): a
+        # rebuild makes them again
+        self.calls_since: list[tuple[int, GroupFuture]] = []
+        self.calls_issued = 0
+        self.held: dict[WorkerGroup, int] = {}    # role -> the calls its restorable state holds (forget_calls)
         self.listeners: list[Callable[[], None]] = []   # told when state or last_error changes
         self.resize_listeners: list[Callable[[dict], None]] = []   # told what each resize did
         self.pgs = pool.placement_groups(pool.nodes, len(workers))
@@ -151,8 +166,7 @@ class _HostSet:
             self._form(hosts, ranks, self.gpu_ids)
         else:
             self._form([self._host(r) for r in ranks], ranks)
-        for hook in self.restore_hooks:
-            hook()
+        self._restore()
         self._set_state("alive")
         log.warning("role %s: rebuilt in %.2f s", self.name, time.monotonic() - t0)
 
@@ -183,8 +197,7 @@ class _HostSet:
                     fresh.add(len(hosts))
                 hosts.append(kept or self._host(len(hosts)))
         self._form(hosts, fresh)
-        for hook in self.restore_hooks:
-            hook()
+        self._restore()
         info = {"from": before, "to": len(hosts), "why": why, "seconds": round(time.monotonic() - t0, 2),
                 "nodes": [f"{n.name} ({n.origin})" for n in pool.nodes]}
         self._set_state("alive")
@@ -192,6 +205,16 @@ class _HostSet:
         for listener in self.resize_listeners:
             listener(info)
         return info
+
+    def _restore(self) -> None:
+        """New processes: each role's state back, the state-changing calls made since then made
+        again, in order, then the hooks that wait for the state (weights to a rollout)."""
+        for hook in self.state_hooks:
+            hook()
+        for _, call in sorted(self.calls_since, key=lambda c: c[0]):
+            GroupFuture(call.method, call.args, call.kwargs, again=True).result()
+        for hook in self.restore_hooks:
+            hook()
 
     def shutdown(self) -> None:
         for a in self.actors + self.standby:
@@ -278,9 +301,26 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self._hosts.actors])
 
+    def on_restore(self, hook: Callable[[], None]) -> None:
+        """Run hook to put this role's state back in its rebuilt processes (a snapshot, a checkpoint);
+        the state-changing calls that returned since that state was taken are made again after it."""
+        self._hosts.state_hooks.append(hook)
+
     def on_restart(self, hook: Callable[[], None]) -> None:
-        """Run hook after this group's processes were rebuilt (to load the role's checkpoint)."""
+        """Run hook after this group's processes were rebuilt and their state is back."""
         self._hosts.restore_hooks.append(hook)
+
+    def calls_issued(self) -> int:
+        """How many state-changing calls this group's processes have been given: the position to
+        give forget_calls once a snapshot or checkpoint taken now holds their effect."""
+        return self._hosts.calls_issued
+
+    def forget_calls(self, upto: int) -> None:
+        """This role's state, taken at position `upto` (calls_issued()), holds the effect of its
+        state-changing calls up to there: a rebuild that restores that state need not make them again."""
+        h = self._hosts
+        h.held[self] = max(upto, h.held.get(self, 0))
+        h.calls_since = [(n, c) for n, c in h.calls_since if n > upto or c.method.wg is not self]
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call listener when the group starts or finishes a rebuild, or one of its calls fails."""
@@ -304,6 +344,8 @@ class WorkerGroup:
 class GroupMethod:
     def __init__(self, wg: WorkerGroup, name: str, mode: DispatchMode):
         self.wg, self.name, self.mode = wg, name, mode
+        fn = getattr(wg.worker_cls, name)
+        self.changes_state, self.keeps = fn.__hpcrl_changes_state__, fn.__hpcrl_keeps__
 
     def __call__(self, *args, **kwargs):
         return self.future(*args, **kwargs).result()
@@ -311,25 +353,39 @@ class GroupMethod:
     def future(self, *args, **kwargs) -> GroupFuture:
         return GroupFuture(self, args, kwargs)
 
-    def issue(self, args, kwargs) -> list:
+    def issue(self, args, kwargs) -> tuple[list, list]:
+        """The ranks' result refs, and (a `keeps` method) their kept refs."""
         actors = self.wg._hosts.actors
         per_rank = self.mode.split(len(actors), args, kwargs)
-        return [actors[r].execute.remote(self.wg.role, self.name, *a, **k)
+        refs = [actors[r].execute.options(num_returns=2 if self.keeps else 1).remote(self.wg.role, self.name, *a, **k)
                 for r, call in enumerate(per_rank) if call is not None for a, k in [call]]
+        return ([r for r, _ in refs], [k for _, k in refs]) if self.keeps else (refs, [])
 
 
 class GroupFuture:
     """The ranks' object refs of one group call. `.result()` collects (rebuilding the group and
-    calling again if one of its processes died); passed to another group's call it is sent as refs."""
+    calling again if one of its processes died); passed to another group's call it is sent as refs.
+    `kept`: a `keeps` method's kept refs, one per rank. again: the call is made again after a rebuild
+    (it was kept once already)."""
 
-    def __init__(self, method: GroupMethod, args: tuple, kwargs: dict):
+    def __init__(self, method: GroupMethod, args: tuple, kwargs: dict, again: bool = False):
         self.method, self.args, self.kwargs = method, args, kwargs
-        self.refs = method.issue(args, kwargs)
+        self.number = None          # a state-changing call's place among its processes' calls, until it is kept
+        if method.changes_state and not again:
+            hosts = method.wg._hosts
+            hosts.calls_issued += 1
+            self.number = hosts.calls_issued
+        self.refs, self.kept = method.issue(args, kwargs)
 
     def result(self) -> Any:
         while True:
             try:
-                return self.method.mode.collect(ray.get(self.refs))
+                out = self.method.mode.collect(ray.get(self.refs))
+                hosts = self.method.wg._hosts
+                if self.number is not None and self.number > hosts.held.get(self.method.wg, 0):
+                    hosts.calls_since.append((self.number, self))    # until a snapshot or checkpoint holds it
+                self.number = None
+                return out
             except RayActorError as e:
                 self.recover(e)
             except RayTaskError as e:    # the role's own code raised: the run stops; say where first
@@ -345,7 +401,7 @@ class GroupFuture:
             hosts.lost(rank, self.method.name, _reason(error))
         elif error.actor_id not in hosts.retired and not self._recover_inputs(error):
             raise error
-        self.refs = self.method.issue(self.args, self.kwargs)
+        self.refs, self.kept = self.method.issue(self.args, self.kwargs)
 
     def _recover_inputs(self, error: RayActorError) -> bool:
         return any(isinstance(a, GroupFuture) and a._recover_if_ours(error) for a in (*self.args, *self.kwargs.values()))
@@ -370,8 +426,10 @@ class GroupFuture:
 
 
 def _last_line(error: Exception) -> str:
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else type(error).__name__
+    """A role's error in one line: its own type and message's last line (not Ray's wrapping)."""
+    cause = getattr(error, "cause", None) or error
+    lines = [line.strip() for line in str(cause).strip().splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
 
 
 def _reason(error: RayActorError) -> str:

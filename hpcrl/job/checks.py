@@ -179,12 +179,17 @@ def own_roles(spec: JobSpec) -> tuple[str, ...]:
 
 def code_problems(spec: JobSpec) -> list[str]:
     """Your own code the spec names: each worker class imports here, subclasses hpcrl.Worker and
-    takes its worker_args, the scoring methods of train.rewards are registered on it, the driver is
-    a function. Imported in this process: the login node runs the job's interpreter on the shared
-    filesystem (or say `python:` and install the package there too)."""
-    if not own_roles(spec) and not spec.driver:
+    takes its worker_args, the scoring methods of train.rewards are registered on it, the driver and
+    train.reward_fn are functions. Imported in this process: the login node runs the job's interpreter
+    on the shared filesystem (or say `python:` and install the package there too)."""
+    try:
+        cfg = PPOConfig.from_dict(spec.train) if spec.train else None
+    except ConfigError:
+        cfg = None           # train_problems names its problems
+    reward_fn = cfg.reward_fn if cfg else ""
+    if not own_roles(spec) and not spec.driver and not reward_fn:
         return []
-    from hpcrl.ppo.roles.custom import BUILTIN_ROLES, import_object, method_problem, worker_class
+    from hpcrl.ppo.roles.custom import BUILTIN_ROLES, method_problem, worker_class
 
     problems, classes = [], {}
     for role in own_roles(spec):
@@ -199,26 +204,30 @@ def code_problems(spec: JobSpec) -> list[str]:
             problems.append(f"{where}: {e}")
     problems += [f"roles.{role}.worker_args: given, but the role has no worker class of its own (worker:)"
                  for role, r in spec.roles.items() if r.worker_args and not r.worker]
-    if spec.train:
-        try:
-            scorers = PPOConfig.from_dict(spec.train).scorers()
-        except ConfigError:
-            scorers = []         # train_problems names them
-        for i, s in enumerate(scorers):
-            problem = method_problem(classes[s.role], s.method) if s.role in classes else None
-            if problem:
-                problems.append(f"train.rewards[{i}].method: {problem}")
+    for i, s in enumerate(cfg.scorers() if cfg else []):
+        problem = method_problem(classes[s.role], s.method) if s.role in classes else None
+        if problem:
+            problems.append(f"train.rewards[{i}].method: {problem}")
+    if reward_fn:      # the reward role imports it as this process does
+        shape = ("def score(prompts, responses, **fields) -> a score per sample" if cfg.reward_batched else
+                 "def score(prompt, response, **fields) -> float")
+        problems += function_problems("train.reward_fn", reward_fn, shape)
     if spec.driver:
-        try:
-            fn = import_object(spec.driver)
-        except ValueError as e:
-            problems.append(f"driver: {e}")
-        else:
-            if not callable(fn):
-                problems.append(f"driver: {spec.driver!r} is not a function (def main(ctx: hpcrl.RunContext))")
+        problems += function_problems("driver", spec.driver, "def main(ctx: hpcrl.RunContext)")
         if not spec.train:
             problems.append("driver: given, but train: is empty; the driver reads its settings from train:")
     return problems
+
+
+def function_problems(where: str, path: str, shape: str) -> list[str]:
+    """Why `path` ("package.module:function") names no function in this process; `shape`: how one is written."""
+    from hpcrl.ppo.roles.custom import import_object
+
+    try:
+        fn = import_object(path)
+    except ValueError as e:
+        return [f"{where}: {e}"]
+    return [] if callable(fn) else [f"{where}: {path!r} is not a function ({shape})"]
 
 
 def environment_problems(spec: JobSpec) -> list[str]:

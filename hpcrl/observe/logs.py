@@ -7,7 +7,8 @@
     ray        logs/ray/<node>.log: each node's `ray start`
 
 Merging uses the date that starts a line; a line without one (a traceback, a script line) keeps
-the date of the line before it in its file.
+the date of the line before it in its file. Following (`hpcrl logs -f`) prints whole lines only
+and ends once the run has (run_ended): its Slurm job, or for a local run its driver's status.
 """
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from hpcrl.observe.status import read_status
 from hpcrl.run_dir import RunDir
+from hpcrl.slurm.cluster_info import SlurmCommandError
+from hpcrl.slurm.submit import TERMINAL, SubmitError, component_states
 
 _DATE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:[.,](\d{3}))?")
 
@@ -85,33 +89,51 @@ def _dated(f: LogFile, lines: list[str]):
 def merged_lines(files: list[LogFile]) -> list[str]:
     """Every line of every file, ordered by time (stable within a file), prefixed with its source."""
     width = max((len(f.source) for f in files), default=0)
-    dated = [x for f in files for x in _dated(f, f.path.read_text(errors="replace").splitlines())]
+    dated = [x for f in files for x in _dated(f, f.path.read_text(encoding="utf-8", errors="replace").splitlines())]
     return [f"{src:<{width}}  {line}" for _, src, line in sorted(dated, key=lambda x: x[0])]
+
+
+def run_ended(run_dir: Path) -> bool:
+    """A submitted run has ended when its job has: a driver that stopped (deadline, preemption) is
+    requeued and goes on, one that was killed never says it ended. Where Slurm cannot say (no client
+    here, slurmctld unreachable) and for a local run, the driver's last word in status.json."""
+    paths = RunDir(run_dir)
+    if paths.job.exists():
+        try:
+            return all(s in TERMINAL for s in component_states(json.loads(paths.job.read_text())["job_id"]).values())
+        except SubmitError:
+            return True         # forgotten by slurmctld and by accounting: long over
+        except SlurmCommandError:
+            pass
+    return (read_status(run_dir) or {}).get("state") in ("finished", "stopped", "failed")
 
 
 def follow(run_dir: Path, which: str | None, rank: int | None, poll_s: float = 0.5, out=sys.stdout,
            until=lambda: False) -> None:
-    """What is there now, then each new line as it is written (new files too: a rebuilt rank, a
-    requeued job's new output), until `until()` is true or Ctrl-C."""
-    offsets: dict[Path, int] = {}
+    """What is there now, then each new line once it is whole (new files too: a rebuilt rank, a
+    requeued job's new output), until the run has ended (run_ended) or `until()` is true, or Ctrl-C;
+    what was written before the end is printed, a last line without its newline too."""
+    offsets: dict[Path, int] = {}     # bytes printed of each file: a character may span bytes
     width = 0
     try:
         while True:
+            ended = until() or run_ended(run_dir)     # asked before reading: nothing written before the end is left
             files = log_files(run_dir, which, rank)
             width = max([width, *(len(f.source) for f in files)])
             for f in files:
-                size = f.path.stat().st_size
                 start = offsets.get(f.path, 0)
-                if size > start:
-                    with open(f.path, errors="replace") as fh:
-                        fh.seek(start)
-                        chunk = fh.read()
-                    done = chunk.rfind("\n") + 1     # a line still being written waits for its end
-                    offsets[f.path] = start + done
-                    for line in chunk[:done].splitlines():
-                        out.write(f"{f.source:<{width}}  {line}\n")
+                if f.path.stat().st_size <= start:
+                    continue
+                with open(f.path, "rb") as fh:
+                    fh.seek(start)
+                    chunk = fh.read()
+                # a line still being written waits for its end; a "\n" byte is never inside a UTF-8 character
+                done = len(chunk) if ended else chunk.rfind(b"\n") + 1
+                offsets[f.path] = start + done
+                for line in chunk[:done].decode(errors="replace").splitlines():
+                    out.write(f"{f.source:<{width}}  {line}\n")
             out.flush()
-            if until():
+            if ended:
                 return
             time.sleep(poll_s)
     except KeyboardInterrupt:

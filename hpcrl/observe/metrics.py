@@ -13,6 +13,7 @@ import os
 import uuid
 from pathlib import Path
 
+from hpcrl.files import writing
 from hpcrl.run_dir import RunDir
 
 
@@ -33,7 +34,7 @@ class MetricsLog:
             self.wandb = _wandb_run(paths, wandb)
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
+        with writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())

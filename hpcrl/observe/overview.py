@@ -133,4 +133,8 @@ def format_status(st: dict) -> str:
     ck = st["checkpoint"]
     lines.append(f"checkpoint: step {ck['step']}, committed {_age(ck['committed_at'])}, {ck['path']}" if ck
                  else "checkpoint: none committed yet")
+    snap = (run or {}).get("last_snapshot")
+    if snap:
+        lines.append(f"snapshot: step {snap['step']}, {snap['bytes'] / 1e6:.1f} MB in the roles' nodes' memory "
+                     f"(taken in {snap['seconds']:.2f} s): a rebuilt role goes on from there")
     return "\n".join(lines)

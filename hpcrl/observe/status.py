@@ -30,7 +30,7 @@ class RunStatus:
         self.unwritten: list[dict] = []       # events the run directory refused, in order
         self.doc = {"state": "starting", "step": 0, "total_steps": total_steps, "phase": "starting the roles",
                     "phase_since": time.time(), "started": time.time(), "pid": os.getpid(), "last_checkpoint": None,
-                    "validation": None, "error": None}
+                    "last_snapshot": None, "validation": None, "error": None}
         self.write()
 
     def attach(self, groups: dict) -> None:
@@ -42,6 +42,11 @@ class RunStatus:
 
     def phase(self, step: int, phase: str) -> None:
         self.doc.update(state="running", step=step, phase=phase, phase_since=time.time())
+        self.write()
+
+    def snapshotted(self, step: int, nbytes: int, seconds: float) -> None:
+        """The training roles' newest snapshot: the state a rebuilt role takes back."""
+        self.doc["last_snapshot"] = {"step": step, "bytes": nbytes, "seconds": round(seconds, 3)}
         self.write()
 
     def validated(self, step: int, scores: dict[str, float]) -> None:

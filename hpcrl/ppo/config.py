@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,51 +39,46 @@ def spec_key(key) -> str:
     return str(key) if re.fullmatch(r"[A-Za-z0-9_+-]+", str(key)) else repr(key)
 
 
-OPEN = object()     # marks an excluded bound: (OPEN, 0) is "> 0"
-LIMITS: dict[str, tuple] = {
-    # setting: (lowest, highest) it may take, None for no bound; a bound after OPEN is excluded
-    "seed": (0, None), "total_steps": (1, None), "task_digits": (1, None), "task_prompts": (1, None),
-    "max_prompt_length": (0, None), "missing_eos_penalty": (0, None),
-    "hidden_size": (1, None), "layers": (1, None), "heads": (1, None),
-    "batch_size": (1, None), "n_samples": (1, None), "max_new_tokens": (1, None),
-    "temperature": ((OPEN, 0), None), "top_p": ((OPEN, 0), 1), "top_k": (0, None),
-    "rollout_gpu_memory": ((OPEN, 0), 1), "rollout_max_model_len": (0, None),
-    "gamma": (0, 1), "lam": (0, 1), "kl_coef": (0, None), "kl_target": (0, None), "kl_horizon": ((OPEN, 0), None),
-    "ppo_epochs": (1, None), "mini_batch_size": (1, None), "micro_batch_size": (1, None),
-    "micro_batch_tokens": (0, None), "actor_lr": ((OPEN, 0), None), "critic_lr": ((OPEN, 0), None),
-    "warmup_steps": (0, None), "weight_decay": (0, None), "grad_clip": ((OPEN, 0), None),
-    "clip_low": ((OPEN, 0), (OPEN, 1)), "clip_high": ((OPEN, 0), None), "vf_clip": (0, None),
-    "entropy_coef": (0, None), "critic_warmup": (0, None),
-    "save_every": (0, None), "keep_last": (0, None), "keep_every": (0, None), "restart_limit": (0, None),
-    "val_every": (0, None), "val_samples": (1, None), "val_temperature": (0, None),
-    "max_staleness": (1, None), "tis_cap": (0, None),
-}
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric setting may take, declared beside it (`number`): ge/gt its lowest value
+    (allowed / excluded), le/lt its highest, None for no bound; `off`: one value outside them that
+    turns the setting off. NaN and infinity are never in range."""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    off: float | None = None
+
+    def __str__(self) -> str:
+        bounds = [f"{sign} {bound}" for sign, bound in (("≥", self.ge), (">", self.gt), ("≤", self.le), ("<", self.lt))
+                  if bound is not None]
+        allowed = " and ".join(bounds) or "finite"
+        return allowed if self.off is None else f"{allowed}, or {self.off} (off)"
+
+    def problem(self, name: str, value) -> str | None:
+        """Why `value` is not in this range (the setting named, and what it must be), or None."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name}: {value} is not a finite number; it must be {self}"
+        outside = ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+                   or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt))
+        return f"{name}: {value} is out of range; it must be {self}" if outside and value != self.off else None
 
 
-def limit_problem(name: str, value) -> str | None:
-    """Why a numeric setting is out of its range (LIMITS), or None."""
-    import math
+FINITE = Range()
+"""any finite number: the range of a setting declared without `number`"""
 
-    low, high = LIMITS[name]
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{name}: {value} is not a finite number"
-    for bound, below in ((low, True), (high, False)):
-        if bound is None:
-            continue
-        excluded, bound = (True, bound[1]) if isinstance(bound, tuple) else (False, bound)
-        outside = (value <= bound if excluded else value < bound) if below else \
-            (value >= bound if excluded else value > bound)
-        if outside:
-            sign = (">" if excluded else "≥") if below else ("<" if excluded else "≤")
-            return f"{name}: {value} is out of range; it must be {sign} {bound}"
-    return None
+
+def number(default: float, **bounds):
+    """A numeric setting's default and its Range, e.g. `top_p: float = number(1.0, gt=0, le=1)`."""
+    return field(default=default, metadata={"range": Range(**bounds)})
 
 
 @dataclass
 class PPOConfig:
-    seed: int = 1
+    seed: int = number(1, ge=0)
     """seeds the model's initial weights, the prompt order and every sampler"""
-    total_steps: int = 150
+    total_steps: int = number(150, ge=1)
     """training steps; each is one batch of prompts: generate, score, advantages, updates"""
 
     # --- data and task
@@ -91,11 +87,11 @@ class PPOConfig:
     verl's format as it is (data_source, prompt, reward_model.ground_truth, extra_info); every other
     field goes to the reward function (hpcrl/ppo/data.py). Empty: the built-in copy task writes
     RUN_DIR/prompts.jsonl"""
-    max_prompt_length: int = 0
+    max_prompt_length: int = number(0, ge=0)
     """prompts longer than this many tokens are left out (counted in the log), never cut; 0: no limit"""
-    task_digits: int = 2
+    task_digits: int = number(2, ge=1)
     """copy task: digits per prompt ("12=" must be answered "12")"""
-    task_prompts: int = 4096
+    task_prompts: int = number(4096, ge=1)
     """copy task: distinct prompts generated"""
     reward_fn: str = ""
     """rule reward `module:function`, called as fn(prompt, response, **fields) -> float in the reward
@@ -105,7 +101,7 @@ class PPOConfig:
     """reward_fn takes the whole batch: fn(prompts, responses, **fields as lists) -> a score per sample"""
     reward_model_dir: str = ""
     """a sequence-scoring HF model directory; when set it scores instead of reward_fn"""
-    missing_eos_penalty: float = 0.0
+    missing_eos_penalty: float = number(0.0, ge=0)
     """subtracted from the score of a response that never emitted the stop token"""
     rewards: list[dict] = field(default_factory=list)
     """a sample's score as a weighted sum of roles' scores, e.g. [{role: reward}, {role: rule_engine,
@@ -117,39 +113,39 @@ class PPOConfig:
     # --- validation
     val_dataset: str = ""
     """held-out prompts, in the same formats as dataset; empty: no validation"""
-    val_every: int = 0
+    val_every: int = number(0, ge=0)
     """validate after every this many steps (and after the last); 0: only as val_before_train says"""
     val_before_train: bool = False
     """validate once before the first step (recorded as step 0 in metrics.jsonl)"""
-    val_samples: int = 1
+    val_samples: int = number(1, ge=1)
     """responses per held-out prompt"""
-    val_temperature: float = 0.0
+    val_temperature: float = number(0.0, ge=0)
     """sampling temperature of validation; 0: greedy"""
 
     # --- model
     model_dir: str = ""
     """an HF causal LM directory; empty: a tiny Qwen2 built from the sizes below into RUN_DIR/model"""
-    hidden_size: int = 128
+    hidden_size: int = number(128, ge=1)
     """tiny model width (head_dim = hidden_size / heads must be ≥ 32)"""
-    layers: int = 2
+    layers: int = number(2, ge=1)
     """tiny model depth"""
-    heads: int = 4
+    heads: int = number(4, ge=1)
     """tiny model attention heads"""
     critic_init: str = "actor"
     """"actor" (the policy's backbone, fresh value head) or a reward model directory"""
 
     # --- rollout
-    batch_size: int = 64
+    batch_size: int = number(64, ge=1)
     """prompts per step"""
-    n_samples: int = 1
+    n_samples: int = number(1, ge=1)
     """responses per prompt (GRPO needs ≥ 2: the group to normalise against)"""
-    max_new_tokens: int = 3
+    max_new_tokens: int = number(3, ge=1)
     """longest response"""
-    temperature: float = 1.0
+    temperature: float = number(1.0, gt=0)
     """sampling temperature; the same temperature scales the actor's and reference's log-probs"""
-    top_p: float = 1.0
+    top_p: float = number(1.0, gt=0, le=1)
     """nucleus sampling"""
-    top_k: int = 0
+    top_k: int = number(0, ge=0)
     """top-k sampling (0: off)"""
     rollout_engine: str = "torch"
     """"torch" (samples with the training module itself) or "vllm" (a vLLM engine in the rollout
@@ -162,18 +158,18 @@ class PPOConfig:
     generates the batch of step k+1 (with the weights of step k−1) while step k is scored and
     trained, and scores it (reward, reference) while step k still trains; needs rollout_role.
     The PPO ratio still uses log-probs the actor recomputes before its update"""
-    max_staleness: int = 1
+    max_staleness: int = number(1, ge=1)
     """one_step_off: batches generated ahead of the step being trained, so a batch trains with
     weights this many updates newer than the ones that sampled it"""
-    tis_cap: float = 0.0
+    tis_cap: float = number(0.0, ge=0)
     """> 0: truncated importance sampling (verl's TIS): each token's policy loss is weighted by
     min(π_actor/π_rollout, tis_cap) of its old log-probs, which corrects for the sampler's weights
     (or kernels) differing from the actor's; 0: off"""
-    rollout_tensor_parallel: int = 1
+    rollout_tensor_parallel: int = number(1, ge=1)
     """vLLM tensor parallel size: GPUs per engine (CPU: 1)"""
-    rollout_gpu_memory: float = 0.5
+    rollout_gpu_memory: float = number(0.5, gt=0, le=1)
     """vLLM: fraction of a GPU's memory for its weights and KV cache"""
-    rollout_max_model_len: int = 0
+    rollout_max_model_len: int = number(0, ge=0)
     """vLLM: longest prompt + response (0: the model's max_position_embeddings)"""
     cache_dir: str = ""
     """compile caches and temp files of the rollout engine (vLLM, torch inductor); empty: RUN_DIR/cache.
@@ -183,9 +179,9 @@ class PPOConfig:
     train_engine: str = "torch"
     """"torch" (DDP on CPU, FSDP2 on GPUs) or "megatron" (megatron-core, GPU only: tensor and
     pipeline parallelism, distributed optimizer) for the actor, critic and reference"""
-    tensor_parallel: int = 1
+    tensor_parallel: int = number(1, ge=1)
     """megatron: GPUs that split each layer (must divide the heads, KV heads and FFN width)"""
-    pipeline_parallel: int = 1
+    pipeline_parallel: int = number(1, ge=1)
     """megatron: stages the layers are split into (must divide the layer count)"""
     precision: str = "auto"
     """"auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32" for the torch engine; megatron is bf16"""
@@ -199,13 +195,13 @@ class PPOConfig:
     # --- advantages and KL
     advantage: str = "gae"
     """"gae" (with the critic) or "grpo" (group-normalised scores, no critic)"""
-    gamma: float = 1.0
+    gamma: float = number(1.0, ge=0, le=1)
     """discount"""
-    lam: float = 0.95
+    lam: float = number(0.95, ge=0, le=1)
     """GAE λ"""
     whiten_advantages: bool = True
     """normalise GAE advantages over the batch's valid tokens"""
-    kl_coef: float = 0.01
+    kl_coef: float = number(0.01, ge=0)
     """β: weight of KL(π‖π_ref)"""
     kl_in_reward: bool = True
     """put −β·KL in the token rewards"""
@@ -215,55 +211,55 @@ class PPOConfig:
     """k1, k2 or k3 for the reward penalty"""
     kl_loss_estimator: str = "k3"
     """k1, k2 or k3 for the loss term"""
-    kl_target: float = 0.0
+    kl_target: float = number(0.0, ge=0)
     """> 0: adaptive β that steers KL to this value"""
-    kl_horizon: float = 10000.0
+    kl_horizon: float = number(10000.0, gt=0)
     """adaptive β: samples over which β may change by ±20%"""
 
     # --- optimisation
-    ppo_epochs: int = 2
+    ppo_epochs: int = number(2, ge=1)
     """passes over each step's batch"""
-    mini_batch_size: int = 32
+    mini_batch_size: int = number(32, ge=1)
     """samples per optimizer step (across the role's ranks)"""
-    micro_batch_size: int = 32
+    micro_batch_size: int = number(32, ge=1)
     """samples per forward/backward on one rank (gradient accumulation below mini_batch_size)"""
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = number(0, ge=0)
     """> 0: a micro-batch also holds at most this many tokens (rows × (longest prompt + longest
     response), the padding all its rows share cut away), so long and short samples neither run out of
     memory nor compute on padding (torch engine)"""
-    actor_lr: float = 1e-3
+    actor_lr: float = number(1e-3, gt=0)
     """actor AdamW learning rate"""
-    critic_lr: float = 2e-3
+    critic_lr: float = number(2e-3, gt=0)
     """critic AdamW learning rate"""
-    warmup_steps: int = 5
+    warmup_steps: int = number(5, ge=0)
     """optimizer steps of linear LR warm-up"""
-    weight_decay: float = 0.0
+    weight_decay: float = number(0.0, ge=0)
     """AdamW weight decay"""
-    grad_clip: float = 1.0
+    grad_clip: float = number(1.0, gt=0)
     """gradient norm clip"""
-    clip_low: float = 0.2
+    clip_low: float = number(0.2, gt=0, lt=1)
     """PPO ε below 1"""
-    clip_high: float = 0.2
+    clip_high: float = number(0.2, gt=0)
     """PPO ε above 1 (raise it for DAPO's clip-higher)"""
-    dual_clip: float = 0.0
+    dual_clip: float = number(0.0, gt=1, off=0)
     """> 1: dual-clip constant c for negative advantages (0: off)"""
-    vf_clip: float = 0.5
+    vf_clip: float = number(0.5, ge=0)
     """value clip around the old values (0: off)"""
-    entropy_coef: float = 0.01
+    entropy_coef: float = number(0.01, ge=0)
     """entropy bonus"""
     loss_agg_mode: str = "token-mean"
     """token-mean, seq-mean-token-sum or seq-mean-token-mean"""
-    critic_warmup: int = 0
+    critic_warmup: int = number(0, ge=0)
     """steps that train only the critic"""
 
     # --- checkpoints
-    save_every: int = 0
+    save_every: int = number(0, ge=0)
     """steps between checkpoints (0: only when stopped by a signal or the deadline, and at the end)"""
     save_last: bool = True
     """checkpoint after the last step (off for benchmarks that only time the steps)"""
-    keep_last: int = 3
+    keep_last: int = number(3, ge=0)
     """committed steps kept (older ones are deleted once a newer one is committed)"""
-    keep_every: int = 0
+    keep_every: int = number(0, ge=0)
     """also keep every step that is a multiple of this (0: none)"""
     async_save: bool = False
     """write the periodic checkpoints on a background thread while training goes on"""
@@ -279,7 +275,13 @@ class PPOConfig:
     """role -> processes per CPU node (a GPU node runs one per GPU)"""
     standby: bool = False
     """keep an idle process per rank so a dead rank is replaced without a process start"""
-    restart_limit: int = 3
+    snapshot_every: int = number(1, ge=0)
+    """steps between snapshots of the training roles' state (weights, optimizer, RNG: what their
+    checkpoint holds) in host memory, in the object store of each role's rank 0 node. A role whose
+    process dies is rebuilt from its newer snapshot or committed checkpoint, and the updates made
+    since are made again: it goes on with exactly the state it had. 0: no snapshots (a rebuilt role
+    then replays every update since the newest checkpoint; the driver keeps their batches)"""
+    restart_limit: int = number(3, ge=0)
     """rebuilds of one role allowed per hour before the run fails"""
     progress: bool = True
     """a progress bar on the console"""
@@ -326,7 +328,10 @@ class PPOConfig:
         return cfg
 
     def problems(self) -> list[str]:
-        p = [problem for name in LIMITS if (problem := limit_problem(name, getattr(self, name)))]
+        # every setting by the range declared beside it; one without (text, a list, a number added
+        # without `number`) need only not be NaN or infinite
+        p = [problem for f in dataclasses.fields(self)
+             if (problem := f.metadata.get("range", FINITE).problem(f.name, getattr(self, f.name)))]
         if not isinstance(self.processes_per_node, dict):
             p.append(f"processes_per_node: {self.processes_per_node!r} is not a mapping of role to processes, "
                      "e.g. {reward: 4}")
@@ -342,8 +347,9 @@ class PPOConfig:
             p.append(f"advantage: {self.advantage!r} is not gae or grpo")
         if self.rollout_engine not in ("torch", "vllm"):
             p.append(f"rollout_engine: {self.rollout_engine!r} is not torch or vllm")
-        if self.rollout_tensor_parallel < 1 or (self.rollout_tensor_parallel > 1 and self.rollout_engine != "vllm"):
-            p.append(f"rollout_tensor_parallel: {self.rollout_tensor_parallel} needs rollout_engine: vllm and must be ≥ 1")
+        if self.rollout_tensor_parallel > 1 and self.rollout_engine != "vllm":
+            p.append(f"rollout_tensor_parallel: {self.rollout_tensor_parallel} needs rollout_engine: vllm "
+                     "(or rollout_tensor_parallel: 1)")
         if self.pipeline not in ("off", "one_step_off"):
             p.append(f"pipeline: {self.pipeline!r} is not off or one_step_off")
         elif self.pipeline == "one_step_off" and not self.rollout_role:
@@ -356,8 +362,8 @@ class PPOConfig:
         if self.train_engine not in ("torch", "megatron"):
             p.append(f"train_engine: {self.train_engine!r} is not torch or megatron")
         for name in ("tensor_parallel", "pipeline_parallel"):
-            if getattr(self, name) < 1 or (getattr(self, name) > 1 and self.train_engine != "megatron"):
-                p.append(f"{name}: {getattr(self, name)} needs train_engine: megatron and must be ≥ 1")
+            if getattr(self, name) > 1 and self.train_engine != "megatron":
+                p.append(f"{name}: {getattr(self, name)} needs train_engine: megatron (or {name}: 1)")
         if self.precision not in ("auto", "bf16", "fp32"):
             p.append(f"precision: {self.precision!r} is not auto, bf16 or fp32")
         if self.checkpoint_io not in ("auto", "parallel", "serial"):
@@ -374,8 +380,6 @@ class PPOConfig:
                      f"{self.batch_size * self.n_samples}")
         if self.micro_batch_size > self.mini_batch_size:
             p.append(f"micro_batch_size: {self.micro_batch_size} is larger than mini_batch_size {self.mini_batch_size}")
-        if self.dual_clip and self.dual_clip <= 1:
-            p.append(f"dual_clip: must be > 1 (or 0 for off), got {self.dual_clip}")
         if (self.val_every or self.val_before_train) and not self.val_dataset:
             p.append("val_dataset: missing; val_every / val_before_train validate on it (give a JSONL or Parquet "
                      "file of held-out prompts)")
@@ -406,8 +410,10 @@ class PPOConfig:
                 seen.add(role)
             if not isinstance(method, str) or not method.isidentifier():
                 p.append(f"{where}.method: {method!r} is not a method name")
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight != weight:
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
                 p.append(f"{where}.weight: {weight!r} is not a number")
+            elif problem := FINITE.problem(f"{where}.weight", weight):
+                p.append(problem)
         return p
 
     def scorers(self) -> list[Scorer]:

@@ -15,8 +15,9 @@ on it, and so is your own (`driver: mypkg.train:main` in the spec, called as mai
                 return reason
         return None
 
-Requeue, exact resume, role restart (a rebuilt role loads its file of the newest committed step),
-`hpcrl status`, `logs` and `report` work the same for any driver written on it.
+Requeue, exact resume, role restart (a rebuilt role takes back its state of the last step
+boundary, and the state-changing calls since are made again), `hpcrl status`, `logs` and `report`
+work the same for any driver written on it.
 """
 from __future__ import annotations
 
@@ -197,14 +198,23 @@ class RunContext:
     def end_step(self, step: int, state: dict | None = None, inflight: Callable[[], list] = list) -> str | None:
         """After each step: the checkpoint train: asks for (every save_every steps, in the
         background with async_save; after the last step with save_last) and the one a stop request
-        asks for, then the stop; else the elastic roles follow their nodes (follow_nodes). Returns
+        asks for, then the stop; else the roles' snapshots (every snapshot_every steps: the state a
+        rebuilt role takes back) and the elastic roles follow their nodes (follow_nodes). Returns
         why to stop now (return it from the driver), or None. `inflight()`: the batches made ahead
         of `step`, collected only when a checkpoint is taken."""
         cfg, reason = self.cfg, self.stop.check()
-        if reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0):
-            self.checkpoint(step, state, background=not reason and step < cfg.total_steps, inflight=inflight())
+        saved = reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0)
+        background = not reason and step < cfg.total_steps
+        if saved:
+            self.checkpoint(step, state, background=background, inflight=inflight())
         if reason:
             return self.stopped(step, reason)
+        # a committed file is a rebuilt role's way back as well: no snapshot of the same step beside it
+        if cfg.snapshot_every and step % cfg.snapshot_every == 0 and step < cfg.total_steps and \
+                not (saved and not (background and cfg.async_save)):
+            self.status.phase(step, "snapshot")
+            t0 = time.perf_counter()
+            self.status.snapshotted(step, self.checkpoints.take_snapshots(step), time.perf_counter() - t0)
         self.follow_nodes()
         return None
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+import traceback
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -44,7 +45,7 @@ import torch
 
 from hpcrl import algo
 from hpcrl.checkpoint.store import CheckpointStore
-from hpcrl.controller import ResourcePool, WorkerGroup
+from hpcrl.controller import ResourcePool, RoleStateLost, WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.files import StorageError, storage_failure
 from hpcrl.models import CharTokenizer, create_model_dir
@@ -202,10 +203,13 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
         ctx = RunContext(cfg, run_dir, groups, model_dir, status, stop or StopRequest(), log, prompts_path)
         reason = (driver or ppo)(ctx)
         ctx.checkpoints.finish()
+    except RoleStateLost as e:     # the job requeues; its next start resumes every role from the newest committed step
+        print(f"{now()} {e}: the run stops here", flush=True)
+        reason = str(e)
     except BaseException as e:
         why = storage_failure(e)
         if why is None:
-            status.event("fail", step=status.doc["step"], error=f"{type(e).__name__}: {e}".strip().splitlines()[-1])
+            status.event("fail", step=status.doc["step"], **failure(e))
             raise
         message = CheckpointStore(run_dir).refused_write(why, status.doc["step"])
         status.event("fail", step=status.doc["step"], error=message)     # once the directory takes writes
@@ -218,6 +222,18 @@ def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None =
     else:
         status.event("finish", step=cfg.total_steps)
     return ctx.history, reason
+
+
+def failure(e: BaseException) -> dict:
+    """What a failed run's events and status say of the error: its type and last line (a role's error
+    by its own type, not as Ray wraps it), where it was raised (role, rank, method) and its traceback."""
+    cause = getattr(e, "cause", None) or e        # a role's error arrives as a RayTaskError around it
+    lines = str(cause).strip().splitlines()
+    origin = getattr(cause, "hpcrl_origin", None)
+    where = f" (role {origin['role']}, rank {origin['rank']}, {origin['method']})" if origin else ""
+    return {"error": f"{type(cause).__name__}: {lines[-1] if lines else ''}".strip() + where,
+            **({"origin": origin} if origin else {}),
+            "traceback": "".join(traceback.format_exception(e))[-20000:]}
 
 
 def ppo(ctx: RunContext) -> str | None:

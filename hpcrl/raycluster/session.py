@@ -20,8 +20,13 @@ from hpcrl.files import atomic_write_text
 from hpcrl.job_env import JobEnv
 from hpcrl.raycluster.node import node_resources, ray_env, wait_for_port
 from hpcrl.raycluster.ports import choose_block
+from hpcrl.requirements import require_ray
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.allocation import gpu_type
+
+# Here, at import: every process that starts or joins the job's Ray cluster imports this module first
+# (hpcrl.raycluster), in its own interpreter, where an older Ray would run it without authentication.
+require_ray()
 
 
 def _write_token(path: Path) -> None:
@@ -64,9 +69,11 @@ def read_cluster(run_dir: Path) -> dict:
 
 
 def _use_env(run_dir: Path) -> None:
-    """Token auth for this process and its children. Ray caches RAY_AUTH_MODE when it is imported;
-    a driver that imported ray first must have that cache refreshed (Ray's own
-    `_enable_token_auth` does the same)."""
+    """Token auth for this process and its children. Ray reads RAY_AUTH_MODE when it is imported and
+    the token when first used, once per process: a process that imported ray first (a driver, a
+    test joining several clusters) must have both read again. Ray has no public call for that (up to
+    2.60 its only interface to token auth is the environment and `ray get-auth-token`); these two
+    private ones are what Ray's own `_enable_token_auth` and `reset_auth_token_state` call (2.52-2.60)."""
     os.environ.update(ray_env(Path(run_dir)))
     import sys
 

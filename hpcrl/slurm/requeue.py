@@ -5,7 +5,10 @@
     python -m hpcrl.slurm.requeue after RC   RC == 3: requeue the job (its hetjob leader) unless
                                              requeue is off, the restart count reached the limit
                                              or `hpcrl cancel` asked (then the job cancels itself);
-                                             says which, and why, in the job log
+                                             says which, and why, in the job log. Exits with the
+                                             batch script's status: non-zero (the job ends FAILED)
+                                             when training stopped before its last step and the
+                                             job neither requeues nor was cancelled
 """
 from __future__ import annotations
 
@@ -34,9 +37,15 @@ def deadline() -> str:
 
 
 def after(rc: int) -> int:
-    """What the job does once its driver exited with rc; returns the batch script's exit status."""
+    """What the job does once its driver exited with rc; returns the batch script's exit status:
+    0 when training finished, the job requeues (no failure: it goes on) or hpcrl cancel asked;
+    else rc, non-zero, so that the job ends FAILED and `hpcrl submit --wait` fails."""
     job = os.environ["SLURM_JOB_ID"]
+    if rc == 0:
+        return 0
     if rc != EXIT_REQUEUE:
+        print(f"[hpcrl] the driver exited with {rc} (its error is above): training did not finish; the job ends "
+              "FAILED", flush=True)
         return rc
     env = JobEnv.read()
     if RunDir(env.run_dir).cancel.exists():
@@ -48,14 +57,12 @@ def after(rc: int) -> int:
             print(f"[hpcrl] scancel {job} refused ({e}); the job ends COMPLETED instead", flush=True)
         return 0
     count, limit = int(os.environ.get("SLURM_RESTART_COUNT", "0")), env.max_restarts
-    if not env.requeue:
-        print("[hpcrl] not requeued: requeue is off in the spec; the run stopped at its last checkpoint "
-              "(continue it with hpcrl submit --resume)", flush=True)
-        return 0
-    if count >= limit:
-        print(f"[hpcrl] not requeued: restart count {count} has reached max_restarts {limit}; the run stopped at "
-              f"its last checkpoint (continue it with hpcrl submit --resume)", flush=True)
-        return 0
+    why = ("requeue is off in the spec" if not env.requeue else
+           f"restart count {count} has reached max_restarts {limit}" if count >= limit else None)
+    if why:
+        print(f"[hpcrl] not requeued: {why}; training stopped before its last step, at its last checkpoint: the "
+              f"job ends FAILED (exit {rc}); continue it with hpcrl submit --resume", flush=True)
+        return rc
     stop = RunDir(env.run_dir).stop
     since = f", {time.time() - stop.stat().st_mtime:.2f} s after Slurm's signal" if stop.exists() else ""
     # said before, not after: Slurm may kill this batch shell as soon as the requeue is accepted

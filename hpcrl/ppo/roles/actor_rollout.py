@@ -32,7 +32,7 @@ class ActorRollout(Generates, Checkpointed, Worker):
         out = self.engine.infer(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
         return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, changes_state=True)
     def update_actor(self, batch: Batch) -> dict:
         step = int(batch.meta.get("step", 0))
         return ppo_updates(self.engine, batch, self.cfg, self.world_size, [self.cfg.seed, step, self.rank, 1], self._loss)

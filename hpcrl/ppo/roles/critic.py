@@ -21,7 +21,7 @@ class Critic(Checkpointed, Worker):
         values = self.engine.infer(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)["values"]
         return Batch({"values": values * batch["response_mask"]})
 
-    @register(Dispatch.DP_COMPUTE)
+    @register(Dispatch.DP_COMPUTE, changes_state=True)
     def update_critic(self, batch: Batch) -> dict:
         step = int(batch.meta.get("step", 0))
         return ppo_updates(self.engine, batch, self.cfg, self.world_size, [self.cfg.seed, step, self.rank, 2], self._loss)
