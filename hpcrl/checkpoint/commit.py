@@ -77,7 +77,8 @@ class RoleCheckpoints:
 
     def take_snapshots(self, step: int) -> int:
         """Every role that trains keeps its state of `step` in host memory (a snapshot replaces the
-        one before it); the bytes kept."""
+        one before it, once made); the bytes kept. Waited for: issued and left to run beside the next
+        step, it would hold two snapshots in the object store through every step, not for an instant."""
         roles = [r for r in self.groups if not self.frozen[r]]
         held = {r: self.groups[r].calls_issued() for r in roles}
         futures = {r: self.groups[r].snapshot_state.future() for r in roles}

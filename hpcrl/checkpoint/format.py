@@ -86,17 +86,22 @@ def snapshot(state: dict) -> dict:
     return _unflatten(_flatten(state, "", tensors := {}), lambda p: tensors[p].detach().to("cpu", copy=True))
 
 
-def state_bytes(state: dict) -> int:
-    """The bytes of every tensor in state."""
-    _flatten(state, "", tensors := {})
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 def tensor_arrays(state: dict) -> tuple[Any, dict[str, tuple[np.ndarray, str]]]:
-    """(the JSON skeleton, {dataset name: (array, hpcrl dtype)}) of a state: what a role file holds."""
+    """(the JSON skeleton, {dataset name: (array, hpcrl dtype)}) of a state: what a role file holds.
+    The arrays of CPU tensors are views of them, not copies."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _flatten(state, "", tensors)
     return skeleton, {name: _as_array(t) for name, t in tensors.items()}
+
+
+def from_arrays(skeleton, arrays: dict[str, tuple[np.ndarray, str]]) -> dict:
+    """The state tensor_arrays took apart, each array copied (those of a snapshot are read-only views
+    of Ray's object store)."""
+    def read(name: str) -> torch.Tensor:
+        arr, dtype = arrays[name]
+        t = torch.from_numpy(np.array(arr))
+        return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+    return _unflatten(skeleton, read)
 
 
 def file_attrs(skeleton, attrs: dict) -> dict:

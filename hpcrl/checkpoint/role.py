@@ -12,7 +12,8 @@ from typing import Callable
 import torch.distributed as dist
 
 from hpcrl.checkpoint import parallel
-from hpcrl.checkpoint.format import read_role_file, rng_state, set_rng_state, snapshot, state_bytes, write_role_file
+from hpcrl.checkpoint.format import (from_arrays, read_role_file, rng_state, set_rng_state, snapshot, tensor_arrays,
+                                     write_role_file)
 from hpcrl.controller import Dispatch, register
 from hpcrl.slurm.allocation import node_name
 
@@ -81,24 +82,28 @@ class Checkpointed:
     @register(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> int:
         state, attrs = read_role_file(Path(path))
-        self.load_snapshot(state)
+        self._load(state)
         return int(attrs["step"])
 
     @register(Dispatch.ONE_TO_ALL, keeps=True)
     def snapshot_state(self):
-        """What this role's checkpoint file would hold, copied to host memory, kept (rank 0's: the
-        role's state and every rank's RNG; None on the other ranks) where a rebuilt process of the
-        role takes it back (load_snapshot). Returns its size in bytes."""
+        """What this role's checkpoint file would hold, kept where a rebuilt process of the role takes
+        it back (load_snapshot): rank 0's (the role's state and every rank's RNG) as the arrays of a
+        role file, which Ray copies once into the object store of this node (numpy arrays, not
+        pickled tensors); None on the other ranks. Returns its size in bytes."""
         ranks = self._gather(rng_state(), everywhere=False)
         role_state = self.checkpoint_state()     # on every rank: gathering a sharded engine's state is a collective
         if self.rank != 0:
             return 0, None
-        state = snapshot({"role": role_state, "rng": dict(enumerate(ranks))})
-        return state_bytes(state), state
+        skeleton, arrays = tensor_arrays({"role": role_state, "rng": dict(enumerate(ranks))})
+        return sum(arr.nbytes for arr, _ in arrays.values()), (skeleton, arrays)
 
     @register(Dispatch.ONE_TO_ALL)
-    def load_snapshot(self, state: dict) -> None:
-        """The role's state and this rank's RNG from a snapshot or a read checkpoint file."""
+    def load_snapshot(self, kept) -> None:
+        """The role's state and this rank's RNG from what snapshot_state kept."""
+        self._load(from_arrays(*kept))
+
+    def _load(self, state: dict) -> None:
         self.load_checkpoint_state(state["role"])
         if self.rank in state["rng"]:
             set_rng_state(state["rng"][self.rank])

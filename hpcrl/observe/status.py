@@ -45,9 +45,9 @@ class RunStatus:
         self.write()
 
     def snapshotted(self, step: int, nbytes: int, seconds: float) -> None:
-        """The training roles' newest snapshot: the state a rebuilt role takes back."""
+        """The training roles' newest snapshot: the state a rebuilt role takes back (written with the
+        next phase: one write less a step)."""
         self.doc["last_snapshot"] = {"step": step, "bytes": nbytes, "seconds": round(seconds, 3)}
-        self.write()
 
     def validated(self, step: int, scores: dict[str, float]) -> None:
         """The newest validation's scores (val/score, per data source, response lengths)."""

@@ -212,7 +212,6 @@ class RunContext:
         # a committed file is a rebuilt role's way back as well: no snapshot of the same step beside it
         if cfg.snapshot_every and step % cfg.snapshot_every == 0 and step < cfg.total_steps and \
                 not (saved and not (background and cfg.async_save)):
-            self.status.phase(step, "snapshot")
             t0 = time.perf_counter()
             self.status.snapshotted(step, self.checkpoints.take_snapshots(step), time.perf_counter() - t0)
         self.follow_nodes()
