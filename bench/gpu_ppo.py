@@ -117,7 +117,7 @@ def one_hpcrl(engine: str, work: Path, steps: int, layout: str, model: Path | No
 
     import ray
 
-    from hpcrl.ppo.driver import train
+    from hpcrl.ppo.loop import train
     from hpcrl.raycluster.session import start_local
     from local_nodes import local_nodes
 

@@ -80,8 +80,8 @@ def step_times(recs: list[dict], lo: int, hi: int) -> list[float]:
 
 # ---------------------------------------------------------------- 1. bare: the same layout without Slurm
 def run_bare(args) -> dict:
-    from hpcrl.job import load_spec
-    from hpcrl.slurm.submit import write_spec
+    from hpcrl.spec import load_spec
+    from hpcrl.slurm.sbatch import write_spec
 
     run = args.work / "bare"
     subprocess.run(["rm", "-rf", str(run)], check=True)
@@ -111,9 +111,9 @@ def bare_driver(run: Path, nodes: list) -> int:
     os.environ.update(ray_env(run))     # before Ray is imported: it reads its auth mode then
     import ray
 
-    from hpcrl.job import load_spec
+    from hpcrl.spec import load_spec
     from hpcrl.ppo.config import PPOConfig
-    from hpcrl.ppo.driver import train
+    from hpcrl.ppo.loop import train
 
     with local_nodes([tuple(n) for n in nodes], dict(os.environ), paths.ray_logs) as address:
         ray.init(address=address, _node_ip_address="127.0.0.1", log_to_driver=False)
@@ -138,7 +138,7 @@ class Job:
         say(f"{name}: job {self.job_id} submitted ({out.stdout.strip().splitlines()[-1]})")
 
     def states(self) -> dict[int, str]:
-        from hpcrl.slurm.submit import component_states
+        from hpcrl.slurm.sbatch import component_states
 
         return component_states(self.job_id)
 
@@ -152,7 +152,7 @@ class Job:
 
     def follow(self, timeout_s: float, at_step=None) -> dict[int, str]:
         """Until every component has ended; at_step(step) is called as steps go by."""
-        from hpcrl.slurm.submit import TERMINAL
+        from hpcrl.slurm.sbatch import TERMINAL
 
         deadline, said = time.time() + timeout_s, 0.0
         while time.time() < deadline:

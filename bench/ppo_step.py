@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from hpcrl.launch.driver import write_local_spec
+from hpcrl.launch.entrypoint import write_local_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"split": [], "colocated": [["actor_rollout", "ref"], ["critic", "reward"]]}

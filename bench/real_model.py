@@ -68,7 +68,7 @@ def hpcrl_spec(run: Path, model: Path, data: Path, held: Path, settings: dict, a
 def run_hpcrl(name: str, settings: dict, args, work: Path, held: Path) -> tuple[list[tuple[float, float]], int, float]:
     """The driver in a fresh process, SIGUSR1 after `minutes` of training: ((training s, held-out
     accuracy) points, steps, training seconds)."""
-    from hpcrl.launch.driver import write_local_spec
+    from hpcrl.launch.entrypoint import write_local_spec
     from hpcrl.observe.metrics import read_metrics, score_over_training_time
 
     run = work / name
@@ -105,7 +105,7 @@ def run_trl(args, work: Path, held: Path):
 
     from hpcrl.models.tokenizer import load_tokenizer
     from hpcrl.ppo.data import read_rows
-    from hpcrl.ppo.rewards import last_number
+    from hpcrl.ppo.verifiers import last_number
 
     tok = load_tokenizer(args.model)
     rows = read_rows(args.data / "train.parquet")

@@ -107,7 +107,7 @@ def main() -> None:
     from hpcrl.models import CharTokenizer, load_causal_lm
     from hpcrl.ppo.config import PPOConfig
     from hpcrl.ppo.data import PromptDataset
-    from hpcrl.ppo.driver import prepare_inputs
+    from hpcrl.ppo.loop import prepare_inputs
     from hpcrl.ppo.roles import ActorRollout, Rollout
     from hpcrl.ppo.roles.rollout import step_seed
     from hpcrl.raycluster.session import start_local

@@ -33,7 +33,7 @@ def one_run(settings: dict, run: Path) -> dict:
     from hpcrl.observe.metrics import read_metrics
     from hpcrl.observe.status import read_status
     from hpcrl.ppo.config import PPOConfig
-    from hpcrl.ppo.driver import train
+    from hpcrl.ppo.loop import train
     from hpcrl.raycluster.session import start_local
 
     cfg = PPOConfig(**settings)

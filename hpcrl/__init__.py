@@ -16,9 +16,9 @@ of a batch script) loads nothing it does not need.
 """
 from hpcrl._version import __version__
 
-_API = {"JobSpec": "hpcrl.job", "SpecError": "hpcrl.job", "load_spec": "hpcrl.job",
+_API = {"JobSpec": "hpcrl.spec", "SpecError": "hpcrl.spec", "load_spec": "hpcrl.spec",
         "submit": "hpcrl.launch.submit", "run": "hpcrl.launch.local", "sweep": "hpcrl.launch.sweep",
-        "cancel": "hpcrl.launch.cancel", "scale": "hpcrl.launch.scale", "JobHandle": "hpcrl.slurm.submit",
+        "cancel": "hpcrl.launch.cancel", "scale": "hpcrl.launch.scale", "JobHandle": "hpcrl.slurm.sbatch",
         "connect": "hpcrl.raycluster",
         # for your own roles and driver (README: "Add a role in three steps")
         "Worker": "hpcrl.controller", "register": "hpcrl.controller", "Dispatch": "hpcrl.controller",

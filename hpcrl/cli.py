@@ -7,14 +7,14 @@ import time
 
 from hpcrl._version import __version__
 from hpcrl.files import StorageError
-from hpcrl.job import SpecError, load_spec
+from hpcrl.spec import SpecError, load_spec
 from hpcrl.run_dir import RunDir
-from hpcrl.slurm.submit import SubmitError
+from hpcrl.slurm.sbatch import SubmitError
 
 
 def _load(args, for_cluster: bool = True):
     """The spec; for a job on the cluster, what looks wrong but may not be is said on stderr."""
-    from hpcrl.job.checks import run_dir_warnings
+    from hpcrl.spec.checks import run_dir_warnings
 
     spec = load_spec(args.spec, run_dir=args.run_dir, overrides=args.overrides)
     for warning in run_dir_warnings(spec) if for_cluster else []:
@@ -23,7 +23,7 @@ def _load(args, for_cluster: bool = True):
 
 
 def cmd_validate(args) -> int:
-    from hpcrl.job.checks import problems_before_submit
+    from hpcrl.spec.checks import problems_before_submit
     from hpcrl.launch.submit import hetjob_of
     from hpcrl.slurm.cluster_info import ClusterInfo, format_table
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hpcrl.job.overrides import ANY, known_fields
+from hpcrl.spec.overrides import ANY, known_fields
 
 BREAKS = "=:"       # in bash's COMP_WORDBREAKS: `train.seed=1` reaches us as `train.seed`, `=`, `1`
 

@@ -2,7 +2,7 @@
 
     driver: hpcrl.jobs.own_loop:main      # in the spec (jobs/tiny-cpu-rules.yaml runs it in its tests)
 
-It is the built-in loop (hpcrl/ppo/driver.py, `ppo`) cut down to what GRPO without a reference
+It is the built-in loop (hpcrl/ppo/loop.py, `ppo`) cut down to what GRPO without a reference
 needs: generate, score (train.rewards, your own roles' scores included), group-normalised
 advantages, one actor update, the new weights to the sampler. Requeue, exact resume and role
 restart come from the context: resume() first, end_step() after every step.
@@ -13,7 +13,7 @@ import numpy as np
 
 import hpcrl
 from hpcrl.algo import FixedKLController
-from hpcrl.ppo.driver import compute_advantages, pad_for_ranks
+from hpcrl.ppo.loop import compute_advantages, pad_for_ranks
 
 
 def main(ctx: hpcrl.RunContext) -> str | None:

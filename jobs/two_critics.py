@@ -20,7 +20,7 @@ import hpcrl
 from hpcrl.algo import FixedKLController
 from hpcrl.models import CharTokenizer, create_model_dir
 from hpcrl.ppo.config import PPOConfig
-from hpcrl.ppo.driver import compute_advantages, explained_variance, pad_for_ranks
+from hpcrl.ppo.loop import compute_advantages, explained_variance, pad_for_ranks
 from hpcrl.ppo.roles import Critic
 from hpcrl.ppo.tasks.copy_digits import ALPHABET
 

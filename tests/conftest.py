@@ -170,7 +170,7 @@ def start_local_training(run: Path, cfg: PPOConfig) -> subprocess.Popen:
     """The driver started the one way (`python -m hpcrl.launch RUN_DIR --local`) on a fresh local
     Ray in its own process (each run starts from a clean Ray). SIGUSR1 stops it at a committed
     checkpoint with exit code 3, as in a job."""
-    from hpcrl.launch.driver import write_local_spec
+    from hpcrl.launch.entrypoint import write_local_spec
 
     write_local_spec(run, dataclasses.asdict(cfg))
     return subprocess.Popen([sys.executable, "-m", "hpcrl.launch", str(run), "--local", "--num-cpus", "2"], cwd=ROOT)

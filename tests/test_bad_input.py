@@ -16,8 +16,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpcrl.job import SpecError, load_spec, parse_spec
-from hpcrl.job.checks import problems_before_submit, run_dir_warnings
+from hpcrl.spec import SpecError, load_spec, parse_spec
+from hpcrl.spec.checks import problems_before_submit, run_dir_warnings
 from hpcrl.launch.submit import checked_hetjob, hetjob_of
 from hpcrl.ppo.config import PPOConfig
 from hpcrl.slurm.directives import UnsafeValue
@@ -158,13 +158,13 @@ def test_a_reward_fn_that_is_no_function_here_is_refused_before_submission(tmp_p
              score + "s": f"train.reward_fn: '{score}s': module hpcrl.ppo.tasks.copy_digits has no scores",
              "hpcrl.ppo.tasks.copy_digits": "train.reward_fn: 'hpcrl.ppo.tasks.copy_digits': write it as "
                                             "'package.module:name'",
-             "hpcrl.ppo.rewards:PREFIXES": "train.reward_fn: 'hpcrl.ppo.rewards:PREFIXES' is not a function "
+             "hpcrl.ppo.verifiers:PREFIXES": "train.reward_fn: 'hpcrl.ppo.verifiers:PREFIXES' is not a function "
                                            "(def score(prompt, response, **fields) -> float)"}
     for path, message in cases.items():
         problems = refused({**GOOD, "train": {"reward_fn": path}})
         assert any(p.startswith(message) for p in problems), (message, problems)
     assert any("(def score(prompts, responses, **fields) -> a score per sample)" in p for p in refused(
-        {**GOOD, "train": {"reward_fn": "hpcrl.ppo.rewards:PREFIXES", "reward_batched": True}}))
+        {**GOOD, "train": {"reward_fn": "hpcrl.ppo.verifiers:PREFIXES", "reward_batched": True}}))
     checked_hetjob(parse_spec({**GOOD, "train": {"reward_fn": score}}), offline=True)     # a function: taken
     # hpcrl submit refuses it before anything is written (no Slurm needed to see that)
     spec = tmp_path / "bad.yaml"

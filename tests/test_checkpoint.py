@@ -22,7 +22,7 @@ from hpcrl.controller import local_worker
 from hpcrl.models import CharTokenizer
 from hpcrl.ppo.config import PPOConfig
 from hpcrl.ppo.data import PromptDataset
-from hpcrl.ppo.driver import prepare_inputs
+from hpcrl.ppo.loop import prepare_inputs
 from hpcrl.ppo.roles import ActorRollout
 from hpcrl.ppo.tasks import copy_digits as copy_task
 
@@ -336,7 +336,7 @@ def test_a_resuming_run_skips_a_step_a_role_finds_damaged(tmp_path, caplog):
     flipped byte, and every role resumes from the step before."""
     import ray
 
-    from hpcrl.ppo.driver import train
+    from hpcrl.ppo.loop import train
     from hpcrl.raycluster.session import start_local
 
     cfg = PPOConfig(total_steps=4, save_every=2, keep_last=2, progress=False)

@@ -10,10 +10,10 @@ import pytest
 import yaml
 from conftest import ROOT, job_finished, slurm_log, wait_until
 
-from hpcrl.job import SpecError, load_spec
-from hpcrl.job.checks import problems_before_submit
+from hpcrl.spec import SpecError, load_spec
+from hpcrl.spec.checks import problems_before_submit
 from hpcrl.slurm.cluster_info import ClusterInfo
-from hpcrl.slurm.submit import submit_hetjob
+from hpcrl.slurm.sbatch import submit_hetjob
 
 TINY = ROOT / "jobs" / "tiny-cpu-containers.yaml"
 

@@ -15,8 +15,8 @@ from conftest import ROOT, job_finished, sh, slurm_log, submit, wait_until
 from test_raycluster import ray_processes_of
 from test_requeue import assert_same_training
 
-from hpcrl.job import load_spec
-from hpcrl.launch.driver import write_local_spec
+from hpcrl.spec import load_spec
+from hpcrl.launch.entrypoint import write_local_spec
 from hpcrl.launch.scale import elastic_problem
 from hpcrl.observe.overview import format_status, gather_status
 from hpcrl.observe.status import RunStatus, read_events

@@ -94,7 +94,7 @@ def small_disk(tmp_path):
 
 def start_driver(run, cfg: PPOConfig) -> subprocess.Popen:
     """The driver, locally, its output kept (the one error message is read from it)."""
-    from hpcrl.launch.driver import write_local_spec
+    from hpcrl.launch.entrypoint import write_local_spec
 
     write_local_spec(run, dataclasses.asdict(cfg))
     return subprocess.Popen([sys.executable, "-m", "hpcrl.launch", str(run), "--local", "--num-cpus", "2"],

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from hpcrl.job import SpecError, load_spec
-from hpcrl.job.overrides import parse_overrides
+from hpcrl.spec import SpecError, load_spec
+from hpcrl.spec.overrides import parse_overrides
 from hpcrl.observe.metrics import read_metrics
 
 SPEC = str(ROOT / "jobs" / "tiny-cpu.yaml")

@@ -14,7 +14,7 @@ from conftest import ROOT, job_finished, keeping_off, kill_dead, preempt_and_fin
 from test_requeue import assert_same_training
 
 from hpcrl.checkpoint.format import read_role_file
-from hpcrl.job import SpecError, load_spec
+from hpcrl.spec import SpecError, load_spec
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.report import CURVES, expand
 from hpcrl.observe.status import read_events

@@ -15,7 +15,7 @@ from hpcrl.models import CharTokenizer, response_log_probs
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import PPOConfig
 from hpcrl.ppo.data import PromptDataset
-from hpcrl.ppo.driver import compute_advantages, prepare_inputs
+from hpcrl.ppo.loop import compute_advantages, prepare_inputs
 from hpcrl.ppo.roles import ActorRollout, Critic, RewardModel, RuleReward
 from hpcrl.ppo.tasks import copy_digits as copy_task
 

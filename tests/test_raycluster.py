@@ -14,7 +14,7 @@ from conftest import ROOT, job_finished, job_records, sh, wait_until
 import hpcrl
 from hpcrl.raycluster.ports import block_starts, choose_block
 from hpcrl.slurm.render import render_hetjob
-from hpcrl.slurm.submit import HetjobExecutor
+from hpcrl.slurm.sbatch import HetjobExecutor
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in the job
 
@@ -44,7 +44,7 @@ def inspect_cluster(run_dir, roles):
     from hpcrl.raycluster import connect
 
     connect(run_dir)
-    nodes = sorted((n["Labels"]["hpcrl.node"], n["NodeManagerAddress"], n["Labels"]["hpcrl.job"])
+    nodes = sorted((n["Labels"]["hpcrl.node"], n["NodeManagerAddress"], n["Labels"]["hpcrl.spec"])
                    for n in ray.nodes() if n["Alive"])
 
     @ray.remote(num_cpus=0)

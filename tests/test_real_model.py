@@ -114,7 +114,7 @@ def test_real_scorers_on_real_generated_problems(smollm2, chain_sums):
     out = TorchRollout(load_causal_lm(smollm2).eval(), tok.pad_id, tok.stop_ids).generate(
         batch["prompt_ids"], batch["prompt_mask"], SamplingParams(max_new_tokens=32, temperature=0.0), seed=0)
     batch = batch.union(Batch(out))
-    scores = local_worker(RuleReward, str(smollm2), "hpcrl.ppo.rewards:by_data_source").compute_scores(batch)["scores"]
+    scores = local_worker(RuleReward, str(smollm2), "hpcrl.ppo.verifiers:by_data_source").compute_scores(batch)["scores"]
     rg = reasoning_gym.create_dataset("chain_sum", size=1, seed=0)
     for i, score in enumerate(scores.tolist()):
         numbers = re.findall(r"-?\d+", tok.decode(batch["responses"][i]))
@@ -144,7 +144,7 @@ def test_verl_gsm8k_parquet_loads_and_is_scored(smollm2, tmp_path):
     responses = [hf.encode(a) + [tok.stop_ids[0]] for a in answers]
     width = max(map(len, responses))
     batch["responses"] = torch.tensor([r + [tok.pad_id] * (width - len(r)) for r in responses])
-    scores = local_worker(RuleReward, str(smollm2), "hpcrl.ppo.rewards:by_data_source").compute_scores(batch)
+    scores = local_worker(RuleReward, str(smollm2), "hpcrl.ppo.verifiers:by_data_source").compute_scores(batch)
     assert scores["scores"].tolist() == [1.0, 0.0, 0.0]     # GSM8K's scorer asks for the "#### N" line
 
 

@@ -12,7 +12,7 @@ from conftest import ROOT, plot_pixels_seen_by_chromium, sh, wait_until
 from hpcrl.observe.logs import follow, run_ended
 from hpcrl.observe.report import CURVES, restarts, timeline_spans
 from hpcrl.observe.status import RunStatus
-from hpcrl.slurm.submit import component_states
+from hpcrl.slurm.sbatch import component_states
 
 
 def fake_requeued_run(run):

@@ -218,7 +218,7 @@ def test_submitit_path_checkpoints_on_its_signal_and_resumes(time_limited_jobs):
 def test_a_rebuilt_role_comes_back_from_its_latest_committed_file(tmp_path):
     import ray
 
-    from hpcrl.ppo.driver import build_worker_groups, prepare_inputs, train
+    from hpcrl.ppo.loop import build_worker_groups, prepare_inputs, train
     from hpcrl.raycluster.session import start_local
 
     cfg = PPOConfig(total_steps=4, save_every=2, progress=False)

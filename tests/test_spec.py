@@ -1,7 +1,7 @@
 """Job spec parsing and its errors (pure logic: no cluster)."""
 import pytest
 
-from hpcrl.job import SpecError, load_spec, parse_spec
+from hpcrl.spec import SpecError, load_spec, parse_spec
 from hpcrl.slurm.job import Gres, parse_mem_mb, parse_time_minutes
 
 GOOD = {"name": "t", "run_dir": "/tmp/x",

@@ -12,7 +12,7 @@ import yaml
 from conftest import ROOT, job_finished, job_records, queue_ids, wait_until
 
 import hpcrl
-from hpcrl.slurm.submit import SubmitError
+from hpcrl.slurm.sbatch import SubmitError
 
 pytestmark = pytest.mark.slurm
 TINY = ROOT / "jobs" / "tiny-cpu.yaml"
@@ -68,7 +68,7 @@ def where_am_i(x):
 def test_submitit_path_returns_the_function_result(slurm_cluster, tmp_path):
     import cloudpickle
 
-    from hpcrl.slurm.submit import HetjobExecutor
+    from hpcrl.slurm.sbatch import HetjobExecutor
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in the job
 
@@ -88,7 +88,7 @@ def test_a_submitit_job_that_fails_before_its_function_shows_why(slurm_cluster, 
     shows the batch script's log, not only 'no output/error stream produced'."""
     import submitit
 
-    from hpcrl.slurm.submit import HetjobExecutor
+    from hpcrl.slurm.sbatch import HetjobExecutor
 
     broken = tmp_path / "python"
     broken.write_text("#!/bin/sh\necho 'this python is broken' >&2\nexit 3\n")

@@ -17,7 +17,7 @@ from hpcrl.controller.batch import Batch
 from hpcrl.models import CharTokenizer
 from hpcrl.ppo.config import PPOConfig
 from hpcrl.ppo.data import PromptDataset
-from hpcrl.ppo.driver import prepare_inputs
+from hpcrl.ppo.loop import prepare_inputs
 from hpcrl.ppo.roles import ActorRollout, Rollout
 
 CFG = PPOConfig(rollout_engine="vllm", batch_size=16, mini_batch_size=16, micro_batch_size=16, ppo_epochs=1,

@@ -1,5 +1,5 @@
 import sys
 
-from hpcrl.launch.driver import main
+from hpcrl.launch.entrypoint import main
 
 sys.exit(main())

@@ -18,7 +18,7 @@ from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.observe.status import read_status
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.cluster_info import SlurmCommandError, slurm_cmd
-from hpcrl.slurm.submit import LIVE, TERMINAL, SubmitError, component_states
+from hpcrl.slurm.sbatch import LIVE, TERMINAL, SubmitError, component_states
 
 DRIVER_LIVE = ("starting", "running")
 

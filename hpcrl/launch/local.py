@@ -4,11 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpcrl.job.load import load_spec, parse_spec
-from hpcrl.job.spec import JobSpec, SpecError
-from hpcrl.launch import driver
+from hpcrl.spec.load import load_spec, parse_spec
+from hpcrl.spec.models import JobSpec, SpecError
+from hpcrl.launch import entrypoint
 from hpcrl.run_dir import RunDir
-from hpcrl.slurm.submit import write_spec
+from hpcrl.slurm.sbatch import write_spec
 
 
 def run(spec: JobSpec | str | Path, *, overrides: list[str] | dict[str, Any] | None = None,
@@ -31,4 +31,4 @@ def run(spec: JobSpec | str | Path, *, overrides: list[str] | dict[str, Any] | N
         raise SpecError([f"run_dir: {paths.root} already holds a run ({paths.metrics.name}); add --resume to continue "
                          "it from its newest checkpoint, or choose a new --run-dir"], source)
     write_spec(paths.root, spec.as_data())
-    return driver.run(paths.root, local=True, num_cpus=num_cpus)[0]
+    return entrypoint.run(paths.root, local=True, num_cpus=num_cpus)[0]

@@ -22,12 +22,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from hpcrl.job import SpecError, load_spec
-from hpcrl.job.spec import JobSpec
+from hpcrl.spec import SpecError, load_spec
+from hpcrl.spec.models import JobSpec
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm import satellite
 from hpcrl.slurm.job import Gres, HetJob, parse_mem_mb, parse_time_minutes
-from hpcrl.slurm.submit import SubmitError, component_states
+from hpcrl.slurm.sbatch import SubmitError, component_states
 
 FLAGS = {"partition": ("partition", str), "time": ("time_min", parse_time_minutes),
          "gres": ("gres", lambda v: None if v == "none" else Gres.parse(v)), "cpus_per_task": ("cpus_per_task", int),
@@ -47,7 +47,7 @@ def _spec(paths: RunDir) -> JobSpec:
 def elastic_problem(spec: JobSpec, role: str) -> str | None:
     """Why `role` of this spec cannot take or give nodes while it trains, or None."""
     from hpcrl.ppo.config import PPOConfig
-    from hpcrl.ppo.driver import worker_classes
+    from hpcrl.ppo.loop import worker_classes
 
     if role not in spec.roles:
         return f"no role {role!r} in the run (roles: {', '.join(spec.roles)})"

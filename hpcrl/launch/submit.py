@@ -5,14 +5,14 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from hpcrl.job.checks import problems_before_submit
-from hpcrl.job.load import load_spec, parse_spec
-from hpcrl.job.spec import JobSpec, SpecError
+from hpcrl.spec.checks import problems_before_submit
+from hpcrl.spec.load import load_spec, parse_spec
+from hpcrl.spec.models import JobSpec, SpecError
 from hpcrl.launch.submitit import training_function
 from hpcrl.slurm.cluster_info import ClusterInfo
 from hpcrl.slurm.job import HetJob
 from hpcrl.slurm.render import render_hetjob
-from hpcrl.slurm.submit import JobHandle, submit_hetjob
+from hpcrl.slurm.sbatch import JobHandle, submit_hetjob
 
 
 def hetjob_of(spec: JobSpec) -> HetJob:

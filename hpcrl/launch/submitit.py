@@ -20,7 +20,7 @@ class SubmititTraining(submitit.helpers.Checkpointable):
         self.run_dir = str(run_dir)
 
     def __call__(self) -> dict:
-        from hpcrl.launch.driver import run  # here: `import hpcrl` must not import the trainer
+        from hpcrl.launch.entrypoint import run  # here: `import hpcrl` must not import the trainer
         from hpcrl.observe.metrics import read_metrics
 
         self._stop, outcome = StopRequest(cancel_file=RunDir(self.run_dir).cancel), {}

@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcrl.files import atomic_write_text
-from hpcrl.job.checks import problems_before_submit
-from hpcrl.job.load import parse_spec, read_spec_data
-from hpcrl.job.overrides import OverrideError, parse_overrides, parse_sweep
-from hpcrl.job.spec import JobSpec, SpecError
+from hpcrl.spec.checks import problems_before_submit
+from hpcrl.spec.load import parse_spec, read_spec_data
+from hpcrl.spec.overrides import OverrideError, parse_overrides, parse_sweep
+from hpcrl.spec.models import JobSpec, SpecError
 from hpcrl.launch.submit import hetjob_of
 from hpcrl.launch.submitit import training_function
 from hpcrl.run_dir import SweepDir
 from hpcrl.slurm.cluster_info import ClusterInfo
-from hpcrl.slurm.submit import JobHandle, SubmitError, check_run_dir, submit_hetjob
+from hpcrl.slurm.sbatch import JobHandle, SubmitError, check_run_dir, submit_hetjob
 
 
 def run_name(values: dict[str, str]) -> str:

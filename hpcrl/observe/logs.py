@@ -23,7 +23,7 @@ from pathlib import Path
 from hpcrl.observe.status import read_status
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.cluster_info import SlurmCommandError
-from hpcrl.slurm.submit import TERMINAL, SubmitError, component_states
+from hpcrl.slurm.sbatch import TERMINAL, SubmitError, component_states
 
 _DATE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)(?:[.,](\d{3}))?")
 

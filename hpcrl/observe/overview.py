@@ -11,7 +11,7 @@ from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.observe.status import read_events, read_status
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.cluster_info import SlurmCommandError
-from hpcrl.slurm.submit import SubmitError, component_states
+from hpcrl.slurm.sbatch import SubmitError, component_states
 
 
 def gather_status(run_dir) -> dict:

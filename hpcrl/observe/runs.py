@@ -15,7 +15,7 @@ from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_status
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.cluster_info import SlurmCommandError
-from hpcrl.slurm.submit import SubmitError, component_states
+from hpcrl.slurm.sbatch import SubmitError, component_states
 
 COLUMNS = [("run", "RUN", "<"), ("job", "JOB", ">"), ("state", "STATE", "<"), ("driver", "DRIVER", "<"),
            ("step", "STEP", ">"), ("checkpoint", "CKPT", ">"), ("reward", "REWARD", ">"), ("val", "VAL", ">")]

@@ -96,7 +96,7 @@ class PPOConfig:
     reward_fn: str = ""
     """rule reward `module:function`, called as fn(prompt, response, **fields) -> float in the reward
     role. Empty: with a dataset, the built-in scorer of each sample's data_source (GSM8K, MATH,
-    reasoning-gym…: hpcrl/ppo/rewards.py); without one, the copy task's rule"""
+    reasoning-gym…: hpcrl/ppo/verifiers.py); without one, the copy task's rule"""
     reward_batched: bool = False
     """reward_fn takes the whole batch: fn(prompts, responses, **fields as lists) -> a score per sample"""
     reward_model_dir: str = ""
@@ -422,7 +422,7 @@ class PPOConfig:
 
     def reward_function(self) -> str:
         """reward_fn, or its default: each sample's data_source scorer with a dataset, the copy task's rule without."""
-        return self.reward_fn or ("hpcrl.ppo.rewards:by_data_source" if self.dataset else
+        return self.reward_fn or ("hpcrl.ppo.verifiers:by_data_source" if self.dataset else
                                   "hpcrl.ppo.tasks.copy_digits:score")
 
     @property

@@ -1,4 +1,4 @@
-"""RunContext: what a driver works with. The built-in PPO driver (hpcrl/ppo/driver.py) is written
+"""RunContext: what a driver works with. The built-in PPO driver (hpcrl/ppo/loop.py) is written
 on it, and so is your own (`driver: mypkg.train:main` in the spec, called as main(ctx)):
 
     def main(ctx: hpcrl.RunContext) -> str | None:
@@ -94,7 +94,7 @@ def weighted_scores(batch: Batch, scorers: list[Scorer]) -> torch.Tensor:
 
 @dataclass
 class RunContext:
-    """A run as a driver sees it, built by `hpcrl.ppo.driver.train` once the roles are up. Besides
+    """A run as a driver sees it, built by `hpcrl.ppo.loop.train` once the roles are up. Besides
     the fields: `tokenizer` (the policy's), `dataset` (the training prompts: `next_batch()`; its
     cursor is in every checkpoint), `held_out` (val_dataset's, or None), `scores` (train.rewards on
     their roles), `checkpoints` (RoleCheckpoints: the roles' files and manifests), `generating` (a

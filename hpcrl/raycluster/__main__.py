@@ -2,12 +2,12 @@
    python -m hpcrl.raycluster satellite RUN_DIR ROLE RUN_ID  (the step of a satellite job: hpcrl scale)
 
 prepare prints the bootstrap it chose (mpi or poll) on stdout, for the script to start the node step
-accordingly; the job's bootstrap and srun --mpi plugin select it (hpcrl.job_env.JobEnv)."""
+accordingly; the job's bootstrap and srun --mpi plugin select it (hpcrl.env_vars.JobEnv)."""
 import sys
 import time
 from pathlib import Path
 
-from hpcrl.job_env import JobEnv
+from hpcrl.env_vars import JobEnv
 from hpcrl.raycluster.node import run_node, run_satellite
 from hpcrl.raycluster.session import prepare, request_stop, wait_ready
 

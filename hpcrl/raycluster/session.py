@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 from hpcrl.files import atomic_write_text
-from hpcrl.job_env import JobEnv
+from hpcrl.env_vars import JobEnv
 from hpcrl.raycluster.node import node_resources, ray_env, wait_for_port
 from hpcrl.raycluster.ports import choose_block
 from hpcrl.requirements import require_ray
@@ -159,7 +159,7 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
     def all_joined() -> bool:
         nonlocal joined
         joined = {n["Labels"].get("hpcrl.node") for n in ray.nodes()
-                  if n["Alive"] and n["Labels"].get("hpcrl.job") == cluster["job_id"]}
+                  if n["Alive"] and n["Labels"].get("hpcrl.spec") == cluster["job_id"]}
         return expected <= joined
 
     try:

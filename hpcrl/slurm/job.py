@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpcrl.job_env import JobEnv
+from hpcrl.env_vars import JobEnv
 from hpcrl.slurm.container import Container
 
 _TIME = re.compile(r"^(?:(?P<d>\d+)-)?(?P<a>\d+)(?::(?P<b>\d+))?(?::(?P<c>\d+))?$")

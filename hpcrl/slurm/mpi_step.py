@@ -13,7 +13,7 @@ import os
 import subprocess
 import tempfile
 
-from hpcrl.job_env import JobEnv
+from hpcrl.env_vars import JobEnv
 
 STEP_VARIABLES = ("SLURM_", "PMI_", "PMIX_")     # this step's; OMPI_MCA_* tuning passes on
 

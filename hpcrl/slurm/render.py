@@ -7,7 +7,7 @@ from __future__ import annotations
 import jinja2
 
 from hpcrl._version import __version__
-from hpcrl.job_env import JobEnv
+from hpcrl.env_vars import JobEnv
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm import directives
 from hpcrl.slurm.job import HetJob

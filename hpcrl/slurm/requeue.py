@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from hpcrl.job_env import EXIT_REQUEUE, JobEnv
+from hpcrl.env_vars import EXIT_REQUEUE, JobEnv
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.cluster_info import SlurmCommandError, slurm_cmd
 

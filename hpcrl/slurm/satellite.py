@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hpcrl._version import __version__
 from hpcrl.files import atomic_write_text
-from hpcrl.job_env import JobEnv
+from hpcrl.env_vars import JobEnv
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm import directives
 from hpcrl.slurm.cluster_info import SlurmCommandError, slurm_cmd

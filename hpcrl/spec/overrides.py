@@ -62,7 +62,7 @@ def known_fields() -> dict:
     are the user's own, as in worker_args)."""
     import dataclasses
 
-    from hpcrl.job.spec import JobSpec, MetricsSpec, RoleSpec, WandbSpec
+    from hpcrl.spec.models import JobSpec, MetricsSpec, RoleSpec, WandbSpec
     from hpcrl.ppo.config import PPOConfig
 
     role = {f: (None if f == "worker_args" else {}) for f in RoleSpec.model_fields}

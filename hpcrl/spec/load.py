@@ -7,9 +7,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from hpcrl.job.checks import spec_problems
-from hpcrl.job.overrides import OverrideError, apply_overrides, parse_overrides
-from hpcrl.job.spec import JobSpec, RoleSpec, SpecError
+from hpcrl.spec.checks import spec_problems
+from hpcrl.spec.overrides import OverrideError, apply_overrides, parse_overrides
+from hpcrl.spec.models import JobSpec, RoleSpec, SpecError
 from hpcrl.ppo.config import PPOConfig, spec_key
 
 
@@ -46,7 +46,7 @@ def _pydantic_problem(err: dict) -> str:
 def parse_spec(data: Any, source: str = "spec", run_dir: str | Path | None = None,
                overrides: list[str] | dict[str, Any] | None = None) -> JobSpec:
     """A validated JobSpec from parsed YAML, or a SpecError listing every problem. `overrides`:
-    PATH=VALUE strings (or a dict of them) merged in first (hpcrl/job/overrides.py)."""
+    PATH=VALUE strings (or a dict of them) merged in first (hpcrl/spec/overrides.py)."""
     if not isinstance(data, dict):
         raise SpecError([f"top level: expected a mapping of fields, got {type(data).__name__}"], source)
     problems = []

@@ -4,7 +4,7 @@ and the tests (`python -m hpcrl.launch RUN_DIR --local`).
 
 Every way reads RUN_DIR/spec.yaml (written at submission, or by `hpcrl run`), joins a Ray cluster
 whose nodes carry the spec's roles (the job's own, or one local node carrying them all), and runs
-the built-in PPO driver (hpcrl/ppo/driver.py), or the spec's own `driver:`, until it finishes or
+the built-in PPO driver (hpcrl/ppo/loop.py), or the spec's own `driver:`, until it finishes or
 stops at a committed checkpoint.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from hpcrl.files import StorageError
-from hpcrl.job import SpecError, load_spec
-from hpcrl.job_env import EXIT_REQUEUE, JobEnv
+from hpcrl.spec import SpecError, load_spec
+from hpcrl.env_vars import EXIT_REQUEUE, JobEnv
 from hpcrl.run_dir import RunDir
 from hpcrl.stop import StopRequest
 
@@ -27,7 +27,7 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     import ray
 
     from hpcrl.ppo.config import PPOConfig
-    from hpcrl.ppo.driver import train
+    from hpcrl.ppo.loop import train
     from hpcrl.ppo.roles.custom import import_object
     from hpcrl.raycluster import connect, start_local
 
@@ -58,7 +58,7 @@ def _ask_for_satellites(paths: RunDir) -> None:
         return
     from hpcrl.launch.scale import reconcile
     from hpcrl.slurm.cluster_info import SlurmCommandError
-    from hpcrl.slurm.submit import SubmitError
+    from hpcrl.slurm.sbatch import SubmitError
 
     def say(text: str) -> None:
         print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}", flush=True)
@@ -72,7 +72,7 @@ def write_local_spec(run_dir: str | Path, train: dict, name: str = "local") -> P
     """RUN_DIR/spec.yaml for a run of these training settings on one local Ray node (`python -m
     hpcrl.launch RUN_DIR --local`): the roles they need, colocated ones in one component."""
     from hpcrl.ppo.config import PPOConfig
-    from hpcrl.slurm.submit import write_spec
+    from hpcrl.slurm.sbatch import write_spec
 
     cfg = PPOConfig.from_dict(train)
     roles: dict[str, dict] = {}

@@ -26,7 +26,7 @@ one would.
 
 The loop (`ppo`) is written on the public RunContext (hpcrl/ppo/context.py), as a driver of your
 own is (`driver:` in the spec); `train` builds the roles and the context and runs either. Started by
-hpcrl/launch/driver.py, the one way in: inside a job (`python -m hpcrl.launch RUN_DIR`, what the
+hpcrl/launch/entrypoint.py, the one way in: inside a job (`python -m hpcrl.launch RUN_DIR`, what the
 batch script runs), through submitit, or locally (`hpcrl run SPEC --local`).
 """
 from __future__ import annotations
