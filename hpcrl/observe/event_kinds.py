@@ -1,0 +1,70 @@
+"""Every kind of event a run appends to RUN_DIR/events.jsonl (RunStatus.event), with its fields.
+
+Each line is one JSON object: `time` (Unix seconds), `event` (the kind, a key of EVENTS) and the
+kind's fields. The reference page docs/pages/reference/events.md is generated from EVENTS
+(hpcrl/reference.py); tests/test_reference.py finds every `.event("kind", ...)` call in hpcrl/ and
+checks that its kind and fields are here, and that a real run writes nothing else.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class EventKind(NamedTuple):
+    meaning: str
+    fields: dict[str, str]
+
+
+EVERY_EVENT = {"time": "when it happened (Unix time, seconds)", "event": "its kind: one of those below"}
+"""The fields every event has."""
+
+EVENTS: dict[str, EventKind] = {
+    "start": EventKind(
+        "the driver started training: a fresh run, or a resumed one (a requeued job, `--resume`)",
+        {"step": "the step training goes on after: 0, or the committed checkpoint it resumed from",
+         "resumed": "whether it resumed from a checkpoint",
+         "total_steps": "the steps the run trains to"}),
+    "checkpoint": EventKind(
+        "every role's file and the manifest of a step are written and committed",
+        {"step": "the step checkpointed",
+         "bytes": "the size of its files",
+         "seconds": "from the start of the save to the commit"}),
+    "rebuild": EventKind(
+        "a role's process died and the role is being rebuilt (new processes, its state from its newest snapshot "
+        "or checkpoint, the calls made since replayed)",
+        {"role": "the role",
+         "step": "the step in progress",
+         "generating": "the steps whose batches the rollout goes on generating meanwhile (pipelined runs)"}),
+    "rebuilt": EventKind(
+        "the role is back, with the state it had",
+        {"role": "the role",
+         "step": "the step in progress"}),
+    "resize": EventKind(
+        "an elastic role took or lost nodes (`hpcrl scale`, a satellite job that joined or ended)",
+        {"role": "the role",
+         "step": "the step in progress",
+         "from": "its ranks before",
+         "to": "its ranks after",
+         "why": "what changed: the nodes that joined or left",
+         "seconds": "how long the resize took",
+         "nodes": "its nodes now, each `name (origin)`: the job's component or a satellite"}),
+    "resize_failed": EventKind(
+        "an elastic role could not take its new nodes; it goes on with the nodes it has",
+        {"step": "the step in progress",
+         "error": "why"}),
+    "stop": EventKind(
+        "training stopped early at a committed checkpoint (Slurm's signal before the time limit or a preemption, "
+        "the deadline, `hpcrl cancel`, a role that lost its state); the job requeues unless it was cancelled",
+        {"step": "the last step done",
+         "reason": "why it stopped"}),
+    "finish": EventKind(
+        "the run trained all its steps",
+        {"step": "the last step, `train.total_steps`"}),
+    "fail": EventKind(
+        "the run failed with an error",
+        {"step": "the step in progress",
+         "error": "the error's type and last line, with the role, rank and method where a role raised it; or, "
+                  "when the run directory refused a write (a full disk), why and how to go on",
+         "origin": "where a role raised it: {role, rank, method} (absent when the driver raised it)",
+         "traceback": "the traceback (its last 20000 characters)"}),
+}

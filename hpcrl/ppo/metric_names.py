@@ -1,0 +1,101 @@
+"""Every metric the built-in loop (hpcrl/ppo/loop.py) and its validation (hpcrl/ppo/validation.py)
+write to RUN_DIR/metrics.jsonl, TensorBoard and W&B, with its unit and meaning.
+
+The reference page docs/pages/reference/metrics.md is generated from METRICS (hpcrl/reference.py),
+and tests/test_reference.py runs a short training and checks both ways: every key it logs has an
+entry here, and every entry here is logged. A key in angle brackets (`score/<role>`) stands for a
+family, one key per role or data source.
+"""
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+
+class Metric(NamedTuple):
+    unit: str
+    meaning: str
+
+
+METRICS: dict[str, Metric] = {
+    "step": Metric("", "the training step the record is of; 0 is the validation before the first step "
+                       "(`train.validation.before_train`), whose record holds only `val/` keys"),
+    "time": Metric("s since 1970", "when the record was written (Unix time)"),
+    "reward/mean": Metric("score", "mean score of the step's responses: the weighted sum of the terms of "
+                                   "`train.reward.scorers`, before the KL penalty and "
+                                   "`train.reward.missing_eos_penalty`"),
+    "reward/max": Metric("score", "highest score of the step's responses"),
+    "score/<role>": Metric("score", "mean of one term of `train.reward.scorers` (the role's scoring method, before "
+                                    "its weight); logged when there is more than one term"),
+    "kl": Metric("nats per token", "mean per-token KL(π‖π_ref) of the step's responses "
+                                   "(`train.algorithm.kl_estimator`): the actor's log-probs before its update "
+                                   "against the reference's; 0 without a reference role"),
+    "kl_coef": Metric("", "β of the step: the KL controller's value when the KL is in the rewards (adaptive with "
+                          "`train.algorithm.kl_target`), `train.algorithm.kl_coef` when it is in the actor's loss"),
+    "actor/pg_loss": Metric("", "clipped PPO surrogate loss (aggregated as `train.algorithm.loss_agg_mode` says), "
+                                "mean over the step's optimizer steps; null while `train.optim.critic_warmup` trains "
+                                "only the critic"),
+    "actor/clipfrac": Metric("fraction of tokens", "share of response tokens where the ε clip was active, mean over "
+                                                   "the optimizer steps; null during the critic's warm-up"),
+    "actor/entropy": Metric("nats per token", "mean entropy of the policy over the step's response tokens, from the "
+                                              "actor's log-prob pass before its update"),
+    "actor/approx_kl": Metric("nats per token", "mean of log π_old − log π over the response tokens: how far the "
+                                                "updates moved the policy, mean over the optimizer steps; null during "
+                                                "the critic's warm-up"),
+    "actor/grad_norm": Metric("", "the actor's gradient norm before clipping to `train.optim.grad_clip`, mean over "
+                                  "the optimizer steps; null during the critic's warm-up"),
+    "critic/vf_loss": Metric("", "value loss (clipped around the old values by `train.algorithm.vf_clip`), per "
+                                 "token, mean over the critic's optimizer steps; null without a critic (GRPO)"),
+    "critic/vf_explained_var": Metric("", "1 − Var(returns − values) / Var(returns) over the response tokens, the "
+                                          "values being the critic's before its update (1: it predicts the returns); "
+                                          "NaN when the returns are all equal; null without a critic"),
+    "policy/version": Metric("step", "the step whose actor update made the weights that sampled the batch (0: the "
+                                     "initial weights)"),
+    "policy/lag": Metric("updates", "how many updates older the sampling weights are than the actor the batch "
+                                    "trains: 0 when each step generates with the newest weights, up to "
+                                    "`train.rollout.max_staleness` with `train.rollout.pipeline: one_step_off`"),
+    "rollout/log_prob_diff": Metric("nats per token", "mean |log π_old − log π_rollout| over the response tokens: "
+                                                      "the actor's recomputed log-probs against the sampler's "
+                                                      "(kernels, precision, stale weights); null when the rollout "
+                                                      "engine returns no log-probs"),
+    "response_length/mean": Metric("tokens", "mean response length, the stop token counted"),
+    "response_length/max": Metric("tokens", "longest response of the step"),
+    "response_length/clip_ratio": Metric("fraction of responses", "share of responses without a stop token: cut at "
+                                                                  "`train.rollout.max_new_tokens`"),
+    "val/score": Metric("score", "mean score of every held-out answer (`train.validation.dataset`, "
+                                 "`train.validation.samples` answers per prompt); in the records of the steps "
+                                 "validated: every `train.validation.every` steps, the last step, and step 0 with "
+                                 "`train.validation.before_train`"),
+    "val/score/<data_source>": Metric("score", "the same for the held-out prompts of one `data_source` (verl's "
+                                               "field), when they carry one"),
+    "val/response_length/mean": Metric("tokens", "mean length of the held-out answers"),
+    "val/response_length/clip_ratio": Metric("fraction of responses", "share of held-out answers cut at "
+                                                                      "`train.rollout.max_new_tokens`"),
+    "timing/generate": Metric("s", "waiting for the step's batch to be generated (pipelined: only what the "
+                                   "training of the step before did not hide) and for the last weights sent"),
+    "timing/score": Metric("s", "old log-probs, reference log-probs, values, and the scores not issued as soon as "
+                                "the batch existed"),
+    "timing/advantage": Metric("s", "the KL-shaped token rewards and the advantages, on the driver"),
+    "timing/update_critic": Metric("s", "the critic's updates; not logged without a critic"),
+    "timing/update_actor": Metric("s", "the actor's updates; not logged during the critic's warm-up"),
+    "timing/sync_weights": Metric("s", "the new weights to the generating engine (pipelined: sent off; the wait "
+                                       "falls in the next step's `timing/generate`)"),
+    "timing/validate": Metric("s", "the validation after this step, when there was one"),
+    "timing/step": Metric("s", "the whole step, validation included, checkpoint not"),
+    "throughput/tokens_per_s": Metric("tokens/s", "prompt and response tokens of the step's batch (padding not "
+                                                  "counted) per second of the step, validation not counted"),
+}
+
+
+def _pattern(name: str) -> re.Pattern:
+    """`val/score/<data_source>` -> val/score/ and any rest (a data source may hold a slash)."""
+    return re.compile("".join(".+" if part.startswith("<") else re.escape(part)
+                              for part in re.split(r"(<[a-z_]+>)", name)))
+
+
+_PATTERNS = {name: _pattern(name) for name in METRICS}
+
+
+def entry(key: str) -> str | None:
+    """The METRICS entry a logged key belongs to (`score/reward` -> `score/<role>`), or None."""
+    return next((name for name, p in _PATTERNS.items() if p.fullmatch(key)), None)
