@@ -1,4 +1,4 @@
-"""Your own roles and your own loop (README: "Add a role in three steps"): jobs/rule_engine.py's
+"""Your own roles and your own loop (docs/pages/how-to/own-role.md, own-loop.md): jobs/rule_engine.py's
 role on a hetjob component of its own, its score a term of the reward; jobs/own_loop.py in place
 of the built-in driver, killed and preempted, against the built-in loop uninterrupted; and a spec
 that names code which is not there, refused before anything is written."""
@@ -7,6 +7,7 @@ import random
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import yaml
@@ -115,24 +116,18 @@ def test_own_role_on_its_component_and_own_loop_killed_and_preempted_train_as_th
     assert_same_training(once, twice, STEPS, roles=("actor_rollout",), metrics=False)
 
 
-def test_the_readme_shows_the_code_the_examples_run():
-    """README "Add a role in three steps": its worker class, placement and wiring are, line for
-    line, jobs/rule_engine.py and jobs/tiny-cpu-rules.yaml (which the test above runs)."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("### Add a role in three steps"):readme.index("**Your own loop.**")]
-    blocks = re.findall(r"```(python|yaml)\n(.*?)```", section, re.S)
-    code = (ROOT / "jobs" / "rule_engine.py").read_text()
-    python = [line.strip() for lang, b in blocks if lang == "python" for line in b.splitlines() if line.strip()]
-    assert len(python) > 10 and all(line in code for line in python), [line for line in python if line not in code]
+def test_the_docs_place_and_wire_the_role_as_the_example_does():
+    """docs/pages/how-to/own-role.md, "Add a role in three steps": its placement and wiring are
+    jobs/tiny-cpu-rules.yaml's (which the test above runs). Its worker class, and your own loop's
+    code, are checked line for line against jobs/rule_engine.py and jobs/own_loop.py by
+    tests/test_docs.py (their blocks are marked as excerpts of those files)."""
+    page = (ROOT / "docs" / "pages" / "how-to" / "own-role.md").read_text()
+    section = page[page.index("## Add a role in three steps"):page.index("## A slow scorer")]
+    blocks = re.findall(r"^( *)```yaml\n(.*?)^\1```", section, re.M | re.S)     # indented in the list
+    placed, wired = (yaml.safe_load(textwrap.dedent(body)) for _, body in blocks)
     spec = yaml.safe_load(RULES.read_text())
-    placed, wired = (yaml.safe_load(b) for lang, b in blocks if lang == "yaml")
     assert {k: spec["roles"]["rule_engine"][k] for k in placed["rule_engine"]} == placed["rule_engine"]
-    assert wired["rewards"] == spec["train"]["rewards"]
-    own_loop = (ROOT / "jobs" / "own_loop.py").read_text()
-    loop = readme[readme.index("**Your own loop.**"):readme.index("`tests/test_own_roles.py` runs both")]
-    lines = [line.strip() for line in re.search(r"```python\n(.*?)```", loop, re.S).group(1).splitlines()]
-    shown = [line.split("  #")[0].rstrip() for line in lines if line and "..." not in line]
-    assert len(shown) > 10 and all(line in own_loop for line in shown), [line for line in shown if line not in own_loop]
+    assert wired["train"]["reward"]["scorers"] == spec["train"]["reward"]["scorers"]
 
 
 def test_two_critics_side_by_side_leave_the_built_in_training_as_it_was(tmp_path):
