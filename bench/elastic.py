@@ -28,6 +28,8 @@ from pathlib import Path
 
 import yaml
 
+from hpcrl.ppo.config import TrainConfig
+
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 3
 
@@ -70,7 +72,8 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-elastic-"))
     spec = yaml.safe_load((ROOT / "jobs" / "tiny-cpu-elastic.yaml").read_text())
-    spec["train"].update(total_steps=1000, progress=False, save_last=False)
+    spec["train"] = TrainConfig.model_validate(spec["train"]).updated(
+        total_steps=1000, progress=False, checkpoint={"save_last": False}).model_dump(mode="json", exclude_unset=True)
     path, run = work / "elastic.yaml", work / "run"
     path.write_text(yaml.safe_dump(spec))
     sh(sys.executable, "-m", "hpcrl", "submit", str(path), "--run-dir", str(run))

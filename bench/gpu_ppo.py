@@ -26,7 +26,6 @@ bench/gpu_phases.py times each phase alone, eager and compiled.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -83,9 +82,9 @@ def make_inputs(work: Path, model: Path | None = None) -> tuple[Path, Path]:
 
 
 def hpcrl_config(engine: str, model_dir: Path, prompts: Path, steps: int, colocate: list[list[str]]):
-    from hpcrl.ppo.config import PPOConfig
+    from hpcrl.ppo.config import TrainConfig
 
-    return PPOConfig(model_dir=str(model_dir), dataset=str(prompts), total_steps=steps, batch_size=BATCH,
+    return TrainConfig(model_dir=str(model_dir), dataset=str(prompts), total_steps=steps, batch_size=BATCH,
                      max_new_tokens=RESPONSE, mini_batch_size=BATCH, micro_batch_size=MICRO, ppo_epochs=1,
                      warmup_steps=0, actor_lr=1e-6, critic_lr=1e-6, train_engine=engine, colocate=colocate,
                      save_last=False, progress=False, reward_fn="hpcrl.ppo.tasks.copy_digits:score")   # a cheap rule
@@ -136,7 +135,7 @@ def one_hpcrl(engine: str, work: Path, steps: int, layout: str, model: Path | No
             layout_nodes = [(["rollout"], "0", 8), (roles, "0", 8)]
         cfg = hpcrl_config(engine, model_dir, prompts, steps, [layout_nodes[0][0] if layout == "two-gpus" else roles])
         if layout != "two-gpus":
-            cfg = dataclasses.replace(cfg, rollout_role=True, pipeline="one_step_off" if layout.endswith("pipelined") else "off")
+            cfg = cfg.updated(rollout_role=True, pipeline="one_step_off" if layout.endswith("pipelined") else "off")
         nodes = local_nodes(layout_nodes, dict(os.environ), run / "logs" / "ray")
     with nodes as address:
         if address:

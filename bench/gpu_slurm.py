@@ -34,9 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 SPECS = {"grpo": ROOT / "jobs" / "smollm2-chain-sum-gpu.yaml", "ppo": ROOT / "jobs" / "smollm2-chain-sum-gpu-ppo.yaml"}
-CPU_SETTINGS = ["train.model_dir=", "train.dataset=", "train.val_dataset=", "train.val_before_train=false", "train.val_every=0",
-                "train.batch_size=8", "train.n_samples=4", "train.max_new_tokens=3", "train.mini_batch_size=32",
-                "train.micro_batch_size=32", "train.actor_lr=1e-3", "train.critic_lr=2e-3", "train.save_every=10"]
+CPU_SETTINGS = ["train.model.path=", "train.data.dataset=", "train.validation.dataset=",
+                "train.validation.before_train=false", "train.validation.every=0", "train.data.batch_size=8",
+                "train.rollout.n_samples=4", "train.rollout.max_new_tokens=3", "train.optim.mini_batch_size=32",
+                "train.optim.micro_batch_size=32", "train.optim.actor_lr=1e-3", "train.optim.critic_lr=2e-3",
+                "train.checkpoint.save_every=10"]
 
 
 def say(text: str) -> None:
@@ -52,8 +54,8 @@ def hpcrl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def overrides(args, steps: int) -> list[str]:
-    data = [] if args.cpu else [f"train.model_dir={args.model}", f"train.dataset={args.data / 'train.parquet'}",
-                                f"train.val_dataset={args.data / 'test.parquet'}"]
+    data = [] if args.cpu else [f"train.model.path={args.model}", f"train.data.dataset={args.data / 'train.parquet'}",
+                                f"train.validation.dataset={args.data / 'test.parquet'}"]
     return [*data, *(CPU_SETTINGS if args.cpu else []), f"train.total_steps={steps}", f"train.seed={args.seed}",
             "train.progress=true"]
 
@@ -80,7 +82,7 @@ def step_times(recs: list[dict], lo: int, hi: int) -> list[float]:
 
 # ---------------------------------------------------------------- 1. bare: the same layout without Slurm
 def run_bare(args) -> dict:
-    from hpcrl.spec import load_spec
+    from hpcrl.jobspec import load_spec
     from hpcrl.slurm.sbatch import write_spec
 
     run = args.work / "bare"
@@ -111,14 +113,14 @@ def bare_driver(run: Path, nodes: list) -> int:
     os.environ.update(ray_env(run))     # before Ray is imported: it reads its auth mode then
     import ray
 
-    from hpcrl.spec import load_spec
-    from hpcrl.ppo.config import PPOConfig
+    from hpcrl.jobspec import load_spec
+    from hpcrl.ppo.config import TrainConfig
     from hpcrl.ppo.loop import train
 
     with local_nodes([tuple(n) for n in nodes], dict(os.environ), paths.ray_logs) as address:
         ray.init(address=address, _node_ip_address="127.0.0.1", log_to_driver=False)
         try:
-            train(PPOConfig.from_dict(load_spec(paths.spec, run_dir=run).train), run)
+            train(TrainConfig.parse(load_spec(paths.spec, run_dir=run).train), run)
         finally:
             ray.shutdown()
     return 0

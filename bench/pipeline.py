@@ -1,4 +1,4 @@
-"""Step time, sequential vs pipelined (train.pipeline: one_step_off), side by side in one run.
+"""Step time, sequential vs pipelined (train.rollout.pipeline: one_step_off), side by side in one run.
 
 On the local Slurm cluster (slurm/cluster up), two hetjobs of jobs/tiny-cpu-pipelined.yaml's
 layout, changed so that two roles do nearly all the work: GRPO without a reference (no critic, no
@@ -32,6 +32,7 @@ from pathlib import Path
 import yaml
 
 from hpcrl.observe.logs import read_calls
+from hpcrl.ppo.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 3
@@ -48,11 +49,14 @@ def spec(args, pipeline: str) -> dict:
         data["roles"]["verifier"] = {"partition": "cpu", "cpus_per_task": 1, "mem": "2G", "time": "00:30:00",
                                      "worker": "hpcrl.jobs.slow_scorer:SlowRuleEngine",
                                      "worker_args": {"seconds": args.slow_scorer}}
-        data["train"]["rewards"] = [{"role": "reward"}, {"role": "verifier", "method": "compute_rule_score", "weight": 0.5}]
+        data["train"]["reward"] = {"scorers": [{"role": "reward"},
+                                               {"role": "verifier", "method": "compute_rule_score", "weight": 0.5}]}
     data["name"] = f"bench-pipeline-{pipeline}"
-    data["train"].update(advantage="grpo", n_samples=4, batch_size=16, mini_batch_size=64, kl_coef=0.0,
-                         max_new_tokens=args.new_tokens, ppo_epochs=args.ppo_epochs, total_steps=args.steps,
-                         save_last=False, progress=False, pipeline=pipeline)
+    data["train"] = TrainConfig.model_validate(data["train"]).updated(
+        total_steps=args.steps, progress=False, data={"batch_size": 16},
+        rollout={"n_samples": 4, "max_new_tokens": args.new_tokens, "pipeline": pipeline},
+        algorithm={"advantage": "grpo", "kl_coef": 0.0}, optim={"mini_batch_size": 64, "ppo_epochs": args.ppo_epochs},
+        checkpoint={"save_last": False}).model_dump(mode="json", exclude_unset=True)
     return data
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hpcrl.spec import parse_spec  # noqa: E402
+from hpcrl.jobspec import parse_spec  # noqa: E402
 from hpcrl.raycluster.node import kill_session  # noqa: E402
 from hpcrl.raycluster.ports import choose_block  # noqa: E402
 from hpcrl.slurm.render import render_hetjob  # noqa: E402

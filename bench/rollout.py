@@ -16,7 +16,6 @@ paths generate the same tokens; tokens/s counts generated tokens. The engines' c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -105,7 +104,7 @@ def main() -> None:
     from hpcrl.controller import ResourcePool, WorkerGroup
     from hpcrl.engines.rollout.vllm_rollout import row_seed
     from hpcrl.models import CharTokenizer, load_causal_lm
-    from hpcrl.ppo.config import PPOConfig
+    from hpcrl.ppo.config import TrainConfig
     from hpcrl.ppo.data import PromptDataset
     from hpcrl.ppo.loop import prepare_inputs
     from hpcrl.ppo.roles import ActorRollout, Rollout
@@ -113,18 +112,18 @@ def main() -> None:
     from hpcrl.raycluster.session import start_local
 
     run = Path(tempfile.mkdtemp(prefix="hpcrl-bench-rollout-"))
-    cfg = PPOConfig(rollout_engine="vllm", batch_size=args.prompts, max_new_tokens=args.new_tokens,
+    cfg = TrainConfig(rollout_engine="vllm", batch_size=args.prompts, max_new_tokens=args.new_tokens,
                     hidden_size=args.hidden, layers=args.layers, heads=args.hidden // 64, cache_dir=str(run / "cache"),
                     task_digits=6)
     model_dir, prompts_path = prepare_inputs(cfg, run)
     tok = CharTokenizer.load(model_dir)
-    prompts = PromptDataset(prompts_path, tok, cfg.batch_size, cfg.seed).next_batch()
+    prompts = PromptDataset(prompts_path, tok, cfg.data.batch_size, cfg.seed).next_batch()
     prompts.meta["step"] = 1
     rows = [ids[m.bool()].tolist() for ids, m in zip(prompts["prompt_ids"], prompts["prompt_mask"])]
     seed = step_seed(cfg.seed, 1, 0)     # what Generates uses for step 1, rank 0
-    bare_args = {"model_dir": str(model_dir), "cache_dir": cfg.cache_dir, "seed": cfg.seed, "prompts": rows,
-                 "seeds": [row_seed(seed, i) for i in range(len(rows))], "temperature": cfg.temperature,
-                 "new_tokens": cfg.max_new_tokens, "eos": tok.eos_id}
+    bare_args = {"model_dir": str(model_dir), "cache_dir": cfg.rollout.cache_dir, "seed": cfg.seed, "prompts": rows,
+                 "seeds": [row_seed(seed, i) for i in range(len(rows))], "temperature": cfg.rollout.temperature,
+                 "new_tokens": cfg.rollout.max_new_tokens, "eos": tok.eos_id}
     bare = BareEngine(bare_args)
 
     # throughput: the role alone on the node, with every CPU, as the bare engine has; each hpcrl
@@ -133,7 +132,8 @@ def main() -> None:
     results, bare_rounds = {}, {}
     try:
         for engine in ("vllm", "torch"):
-            conf = dataclasses.asdict(dataclasses.replace(cfg, rollout_engine=engine))
+            conf = cfg.model_copy(deep=True)
+            conf.rollout.engine = engine
             group = WorkerGroup(ResourcePool.for_role("actor_rollout"), ActorRollout, (str(model_dir), conf))
             ours, theirs = [], []
             for i in range(args.repeat + 1):       # the first round warms up
@@ -151,7 +151,7 @@ def main() -> None:
     # weight sync: into the actor's own engine, and into a separate rollout role's
     start_local(["actor_rollout", "rollout"], run_dir=run)
     try:
-        conf = dataclasses.asdict(cfg)
+        conf = cfg
         actor = WorkerGroup(ResourcePool.for_role("actor_rollout"), ActorRollout, (str(model_dir), conf))
         rollout = WorkerGroup(ResourcePool.for_role("rollout"), Rollout, (str(model_dir), conf))
         sync_local = median_call(actor.sync_rollout_weights, args.repeat)

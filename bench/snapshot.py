@@ -1,4 +1,4 @@
-"""What the roles' snapshots cost (`train.snapshot_every`): PPO step time with a snapshot at every
+"""What the roles' snapshots cost (`train.checkpoint.snapshot_every`): PPO step time with a snapshot at every
 step boundary against none, side by side (alternating runs, fresh local Ray each), and the host
 memory a snapshot holds, on the tiny copy task and on SmolLM2-135M-Instruct, on this machine's CPU.
 Prints a table and writes bench/snapshot.json.
@@ -32,11 +32,11 @@ def one_run(settings: dict, run: Path) -> dict:
 
     from hpcrl.observe.metrics import read_metrics
     from hpcrl.observe.status import read_status
-    from hpcrl.ppo.config import PPOConfig
+    from hpcrl.ppo.config import TrainConfig
     from hpcrl.ppo.loop import train
     from hpcrl.raycluster.session import start_local
 
-    cfg = PPOConfig(**settings)
+    cfg = TrainConfig(**settings)
     start_local(["actor_rollout", "critic", "ref", "reward"], run_dir=run, num_cpus=2)
     try:
         train(cfg, run)

@@ -3,7 +3,7 @@
     import hpcrl
     spec = hpcrl.load_spec("jobs/tiny-cpu.yaml")
     job = hpcrl.submit(spec, via="sbatch")      # job.job_id, job.state(), job.wait(), job.logs(role)
-    hpcrl.submit("jobs/tiny-cpu.yaml", overrides=["train.actor_lr=1e-6"], run_dir="runs/lr", wait=True)
+    hpcrl.submit("jobs/tiny-cpu.yaml", overrides=["train.optim.actor_lr=1e-6"], run_dir="runs/lr", wait=True)
     hpcrl.run(spec, run_dir="runs/here")         # hpcrl run --local
     hpcrl.sweep(spec, {"train.seed": [1, 2]}, max_running=1)   # hpcrl sweep
     hpcrl.cancel("runs/lr")                      # hpcrl cancel: a last checkpoint, no requeue
@@ -16,11 +16,11 @@ of a batch script) loads nothing it does not need.
 """
 from hpcrl._version import __version__
 
-_API = {"JobSpec": "hpcrl.spec", "SpecError": "hpcrl.spec", "load_spec": "hpcrl.spec",
+_API = {"JobSpec": "hpcrl.jobspec", "SpecError": "hpcrl.jobspec", "load_spec": "hpcrl.jobspec",
         "submit": "hpcrl.launch.submit", "run": "hpcrl.launch.local", "sweep": "hpcrl.launch.sweep",
         "cancel": "hpcrl.launch.cancel", "scale": "hpcrl.launch.scale", "JobHandle": "hpcrl.slurm.sbatch",
         "connect": "hpcrl.raycluster",
-        # for your own roles and driver (README: "Add a role in three steps")
+        # for your own roles and driver (docs: how-to/own-role.md)
         "Worker": "hpcrl.controller", "register": "hpcrl.controller", "Dispatch": "hpcrl.controller",
         "Batch": "hpcrl.controller.batch", "RunContext": "hpcrl.ppo.context"}
 

@@ -4,26 +4,29 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from hpcrl._version import __version__
 from hpcrl.files import StorageError
-from hpcrl.spec import SpecError, load_spec
+from hpcrl.jobspec import SpecError, load_spec
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.sbatch import SubmitError
 
 
 def _load(args, for_cluster: bool = True):
     """The spec; for a job on the cluster, what looks wrong but may not be is said on stderr."""
-    from hpcrl.spec.checks import run_dir_warnings
+    from hpcrl.jobspec.checks import run_dir_warnings
 
     spec = load_spec(args.spec, run_dir=args.run_dir, overrides=args.overrides)
+    for note in spec.notes:
+        print(f"note: {note}", file=sys.stderr)
     for warning in run_dir_warnings(spec) if for_cluster else []:
         print(f"warning: {warning}", file=sys.stderr)
     return spec
 
 
 def cmd_validate(args) -> int:
-    from hpcrl.spec.checks import problems_before_submit
+    from hpcrl.jobspec.checks import problems_before_submit
     from hpcrl.launch.submit import hetjob_of
     from hpcrl.slurm.cluster_info import ClusterInfo, format_table
 
@@ -293,13 +296,12 @@ def cmd_export(args) -> int:
     """A role of a committed step as a Hugging Face folder (hpcrl/checkpoint/export.py)."""
     from hpcrl.checkpoint.export import VALUE_ROLES, export_role
     from hpcrl.checkpoint.store import CheckpointStore
-    from hpcrl.ppo.config import PPOConfig
 
     paths = RunDir(_run_dir_of(args.run_dir))
-    cfg = PPOConfig.from_dict(load_spec(paths.spec, run_dir=paths.root).train)
-    model_dir = cfg.model_dir or paths.model
-    if args.role in VALUE_ROLES and cfg.critic_init != "actor":
-        model_dir = cfg.critic_init
+    cfg = load_spec(paths.spec, run_dir=paths.root).train
+    model_dir = cfg.model.path or paths.model
+    if args.role in VALUE_ROLES and cfg.model.critic_init != "actor":
+        model_dir = cfg.model.critic_init
     try:
         out = export_role(CheckpointStore(paths.root), args.role, model_dir, args.out_dir, args.step, args.dtype)
     except ValueError as e:
@@ -366,7 +368,7 @@ COMPLETE = "__complete"     # hidden: `hpcrl __complete CWORD WORD...`, called b
 
 OVERRIDES_HELP = """overrides: PATH=VALUE sets a field of the spec by its dotted path, the value read as YAML
 (numbers, true/false, [lists], null); checked as the file is, an unknown path names the nearest:
-  hpcrl submit job.yaml train.actor_lr=1e-6 roles.critic.nodes=2 signal_lead=300
+  hpcrl submit job.yaml train.optim.actor_lr=1e-6 roles.critic.nodes=2 signal_lead=300
 The run's spec.yaml holds the merged spec (its `overridden:` lists them); hpcrl status shows them."""
 
 
@@ -380,7 +382,7 @@ whole run: each start of a requeued job asks for its satellites again."""
 
 
 SWEEP_HELP = """PATH=A,B,C is an axis; one hetjob per combination of the axes, in SWEEP_DIR/<name>/:
-  hpcrl sweep job.yaml train.actor_lr=1e-6,3e-6 train.seed=1,2 --max-running 2
+  hpcrl sweep job.yaml train.optim.actor_lr=1e-6,3e-6 train.seed=1,2 --max-running 2
   hpcrl sweep status runs/sweep        hpcrl report runs/sweep        hpcrl ls runs/sweep
 Every combination is checked against the live cluster before the first is submitted."""
 
@@ -395,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         c.add_argument("spec", help="job spec (YAML)")
         c.add_argument("overrides", nargs="*", metavar="PATH=VALUE",
-                       help="set a field of the spec by its dotted path, e.g. train.actor_lr=1e-6")
+                       help="set a field of the spec by its dotted path, e.g. train.optim.actor_lr=1e-6")
         c.add_argument("--run-dir", help="run directory (overrides the spec's run_dir)")
         return c
 
@@ -502,11 +504,32 @@ def build_parser() -> argparse.ArgumentParser:
                                       "of a sweep's folder: every run's curves on one page")
     c.add_argument("target", help="run directory, job id, or a sweep's folder")
     c.set_defaults(fn=cmd_report)
+    c = sub.add_parser("schema", help="print the JSON Schema of a job spec, for an editor that validates and "
+                                      "completes job.yaml")
+    c.add_argument("-o", "--out", metavar="FILE", help="write it to FILE instead")
+    c.set_defaults(fn=cmd_schema)
     c = sub.add_parser("completion", help="print the shell completion script: eval \"$(hpcrl completion bash)\" "
                                           "(commands, options, spec paths of overrides)")
     c.add_argument("shell", choices=["bash", "zsh"])
     c.set_defaults(fn=cmd_completion)
     return p
+
+
+def cmd_schema(args) -> int:
+    """The JSON Schema of a job spec: an editor with a YAML language server validates and completes
+    job.yaml with it (`# yaml-language-server: $schema=hpcrl-spec.json` as the file's first line)."""
+    import json
+
+    from hpcrl.jobspec.models import JobSpec
+
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+              **JobSpec.model_json_schema(), "title": "hpcrl job spec"}
+    text = json.dumps(schema, indent=1, ensure_ascii=False) + "\n"
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def cmd_completion(args) -> int:

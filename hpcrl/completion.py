@@ -1,5 +1,5 @@
 """Shell completion for `hpcrl`: subcommands, options, option and positional choices, and the dotted
-spec paths of overrides (`hpcrl submit job.yaml train.actor_<TAB>` -> `train.actor_lr=`), with the
+spec paths of overrides (`hpcrl submit job.yaml train.optim.actor_<TAB>` -> `train.optim.actor_lr=`), with the
 role names read from the spec file on the line. Everything else (spec files, run directories)
 falls back to the shell's file name completion.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from hpcrl.spec.overrides import ANY, known_fields
+from hpcrl.jobspec.overrides import ANY, known_fields
 
 BREAKS = "=:"       # in bash's COMP_WORDBREAKS: `train.seed=1` reaches us as `train.seed`, `=`, `1`
 

@@ -3,7 +3,7 @@
     spec.md      every field of a job spec: the pydantic models (JobSpec, and every model a field
                  holds, at its path), with type, default, allowed values and the field's docstring
     cli.md       every command and option of `hpcrl`: its argparse parser
-    metrics.md   every metric of the built-in loop: hpcrl/ppo/metric_names.py
+    metrics.md   every metric of the built-in loop: hpcrl/ppo/step_metrics.py
     events.md    every event of RUN_DIR/events.jsonl: hpcrl/observe/event_kinds.py
 
     python -m hpcrl.reference            write them to docs/pages/reference/
@@ -31,8 +31,9 @@ from pydantic.fields import FieldInfo
 
 from hpcrl.cli import build_parser
 from hpcrl.observe.event_kinds import EVENTS, EVERY_EVENT
-from hpcrl.ppo.metric_names import METRICS
-from hpcrl.spec.models import JobSpec
+from hpcrl.ppo.config import FLAT_KEYS
+from hpcrl.ppo.step_metrics import METRICS
+from hpcrl.jobspec.models import JobSpec
 
 PAGES = Path(__file__).resolve().parents[1] / "docs" / "pages" / "reference"
 REGENERATE = "python -m hpcrl.reference"
@@ -186,25 +187,8 @@ def model_sections(model: type[BaseModel], path: str = "") -> list[Section]:
     return [Section(path, f"{model.__name__}: {inspect.cleandoc(doc)}" if doc else model.__name__, rows), *below]
 
 
-def train_dataclass_sections() -> list[Section]:
-    """The training settings while JobSpec.train is an untyped mapping: PPOConfig's fields
-    (hpcrl/ppo/config.py). Once train is a model, model_sections documents it as every other
-    model: delete this function and its call in spec_page."""
-    from hpcrl.ppo.config import PPOConfig
-
-    docs, rows = attribute_docs(PPOConfig), []
-    for f in dataclasses.fields(PPOConfig):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        bounds = f.metadata.get("range")
-        rows.append([code(f"train.{f.name}"), code(f.type), code(json.dumps(default)), prose(str(bounds or "")),
-                     prose(docs.get(f.name, ""))])
-    return [Section("train", "PPOConfig: the training settings, read by the driver.", rows)]
-
-
 def spec_page() -> str:
     sections = model_sections(JobSpec)
-    if not nested("train", JobSpec.model_fields["train"].annotation):
-        sections += train_dataclass_sections()
     out = [NOTICE, "# Job spec\n",
            "Every field of a job spec (the YAML file `hpcrl submit` reads), at its path: `roles.<role>.partition` "
            "is the `partition` of each role under `roles`, `[i]` an item of a list. A field given on the command "
@@ -212,6 +196,10 @@ def spec_page() -> str:
     for s in sections:
         out += [f"## {code(s.path) if s.path else 'Top level'}\n", prose(s.doc) + "\n",
                 table(["Field", "Type", "Default", "Values", "Description"], s.rows)]
+    out += ["## The flat training keys of earlier releases\n",
+            "Read until hpcrl 0.3, each moved to its section with a note (`hpcrl validate` prints it); a setting "
+            "given both ways is refused.\n",
+            table(["Flat key", "Now"], [[code(f"train.{flat}"), code(f"train.{path}")] for flat, path in FLAT_KEYS.items()])]
     return "\n".join(out)
 
 

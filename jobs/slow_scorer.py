@@ -11,7 +11,7 @@ third of the time (`python bench/elastic.py` measures it).
     train:
       rewards: [{role: reward}, {role: verifier, method: compute_rule_score, weight: 0.5}]
 
-Sequentially (train.pipeline: off) every step waits `seconds` for it. Pipelined (one_step_off,
+Sequentially (train.rollout.pipeline: off) every step waits `seconds` for it. Pipelined (one_step_off,
 with a separate rollout role) it scores batch k+1 while step k trains, so it costs the step only
 what it takes beyond the training: a verifier slower than the step still sets the step
 (`python bench/pipeline.py --slow-scorer S` measures both).

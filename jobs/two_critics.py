@@ -11,7 +11,6 @@ make the GAE advantages, as in the built-in loop; the small one (a fresh 1-layer
 learns the same returns from its own values and does not touch the actor. Each value loss is
 logged as vf_loss/<role>, which `hpcrl report` draws on one plot.
 """
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +18,9 @@ from pathlib import Path
 import hpcrl
 from hpcrl.algo import FixedKLController
 from hpcrl.models import CharTokenizer, create_model_dir
-from hpcrl.ppo.config import PPOConfig
-from hpcrl.ppo.loop import compute_advantages, explained_variance, pad_for_ranks
+from hpcrl.ppo.config import TrainConfig
+from hpcrl.ppo.loop import compute_advantages, pad_for_ranks
+from hpcrl.ppo.step_metrics import explained_variance
 from hpcrl.ppo.roles import Critic
 from hpcrl.ppo.tasks.copy_digits import ALPHABET
 
@@ -33,15 +33,15 @@ class SmallCritic(Critic):
                  ppo_epochs: int = 2, mini_batch_size: int = 32):
         model = create_model_dir(Path(tempfile.mkdtemp(prefix="small-critic-")), CharTokenizer(ALPHABET), seed,
                                  hidden_size=hidden_size, layers=layers, heads=heads)
-        cfg = PPOConfig(seed=seed, critic_lr=lr, ppo_epochs=ppo_epochs, mini_batch_size=mini_batch_size,
-                        micro_batch_size=mini_batch_size)
-        super().__init__(str(model), dataclasses.asdict(cfg))
+        cfg = TrainConfig(seed=seed, optim={"critic_lr": lr, "ppo_epochs": ppo_epochs, "mini_batch_size": mini_batch_size,
+                                            "micro_batch_size": mini_batch_size})
+        super().__init__(str(model), cfg)
 
 
 def main(ctx: hpcrl.RunContext) -> str | None:
     cfg, groups = ctx.cfg, ctx.groups
     actor, critic, small, ref = groups["actor_rollout"], groups["critic"], groups["critic_small"], groups.get("ref")
-    kl = FixedKLController(cfg.kl_coef)
+    kl = FixedKLController(cfg.algorithm.kl_coef)
     resumed = ctx.resume()
     start = resumed.step if resumed else 0
     for step in range(start + 1, cfg.total_steps + 1):

@@ -2,7 +2,6 @@
 unchecked, every setting has its range, the relations that stop a job are errors; and a fuzz test
 over the shipped specs: every random mutation is either refused by field or renders exactly the
 spec's components and values."""
-import dataclasses
 import math
 import os
 import re
@@ -13,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from pydantic import ValidationError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpcrl.spec import SpecError, load_spec, parse_spec
-from hpcrl.spec.checks import problems_before_submit, run_dir_warnings
+from hpcrl.jobspec import SpecError, load_spec, parse_spec
+from hpcrl.jobspec.checks import problems_before_submit, run_dir_warnings
 from hpcrl.launch.submit import checked_hetjob, hetjob_of
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import OptimSettings, TrainConfig, _model_in, problem
 from hpcrl.slurm.directives import UnsafeValue
 from hpcrl.slurm.job import format_mem, format_minutes, parse_mem_mb, parse_time_minutes
 from hpcrl.slurm.render import render_hetjob
@@ -77,98 +77,133 @@ def test_a_spec_file_name_cannot_open_a_line_in_the_header(tmp_path):
     assert "rm -rf x.yaml" in script.splitlines()[1] and not any(line.startswith("rm ") for line in script.splitlines())
 
 
-# the numeric settings as their defaults say (bool is not one), not as the checker picks them
-NUMERIC = {f.name: f for f in dataclasses.fields(PPOConfig) if type(f.default) in (int, float)}
+def numeric_settings(model=TrainConfig, prefix="") -> dict[str, tuple[type, dict]]:
+    """path -> (int or float, its bounds {"ge": 0, ...}) of every numeric training setting, read
+    from the models' fields (bool is not one), not as the checker picks them."""
+    out = {}
+    for name, info in model.model_fields.items():
+        inner = _model_in(info.annotation)
+        if inner is not None and name != "scorers":
+            out.update(numeric_settings(inner, f"{prefix}{name}."))
+        elif info.annotation in (int, float):
+            bounds = {k: getattr(m, k) for m in info.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
+            out[prefix + name] = (info.annotation, bounds)
+    return out
+
+
+NUMERIC = numeric_settings()
 SIGN = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
 
 
 def test_every_numeric_setting_declares_its_range():
-    undeclared = [name for name, f in NUMERIC.items() if "range" not in f.metadata]
-    assert not undeclared, f"declare each one's range beside it: `{undeclared[0]}: ... = number(default, ge=...)`"
-    assert set(NUMERIC) == {f.name for f in dataclasses.fields(PPOConfig) if f.type in ("int", "float")}
+    assert len(NUMERIC) > 40, sorted(NUMERIC)         # the walk found the sections' settings
+    undeclared = [path for path, (_, bounds) in NUMERIC.items() if not bounds]
+    assert not undeclared, f"declare each one's range in its type: `{undeclared[0]}: Annotated[float, Field(ge=...)]`"
 
 
-def own_problems(name: str, value) -> list[str]:
-    """The problems of one setting set to value (relations to others, named by those, left out)."""
-    return [p for p in PPOConfig(**{name: value}).problems() if p.startswith(f"{name}: ")]
+def settings_at(path: str, value) -> dict:
+    *sections, name = path.split(".")
+    node = {name: value}
+    for section in reversed(sections):
+        node = {section: node}
+    return node
 
 
-@pytest.mark.parametrize("name", sorted(NUMERIC))
-def test_every_numeric_setting_refuses_what_is_outside_its_range(name):
-    kind, bounds = type(NUMERIC[name].default), NUMERIC[name].metadata["range"]
-    allowed = [f"{SIGN[k]} {getattr(bounds, k)}" for k in SIGN if getattr(bounds, k) is not None]
+def own_problems(path: str, value) -> list[str]:
+    """The problems of one setting set to value, in code rather than a spec (relations to others left out)."""
+    try:
+        TrainConfig.model_validate(settings_at(path, value))
+    except ValidationError as e:
+        return [problem(err, TrainConfig, "train") for err in e.errors()
+                if ".".join(map(str, err["loc"])) == path]
+    return []
+
+
+@pytest.mark.parametrize("path", sorted(NUMERIC))
+def test_every_numeric_setting_refuses_what_is_outside_its_range(path):
+    kind, bounds = NUMERIC[path]
+    allowed = [f"{SIGN[k]} {v:g}" for k, v in bounds.items()]
     step = (lambda b, way: b + way) if kind is int else (lambda b, way: math.nextafter(b, way * math.inf))
     for value in (math.nan, math.inf, -math.inf):
-        problems = refused({**GOOD, "train": {name: value}})
-        said = [p for p in problems if p.startswith(f"train.{name}: ")]
+        problems = refused({**GOOD, "train": settings_at(path, value)})
+        said = [p for p in problems if p.startswith(f"train.{path}: ")]
         assert said, (value, problems)
         if kind is float:
-            assert said[0].startswith(f"train.{name}: {value} is not a finite number; it must be ")
-            assert all(a in said[0] for a in allowed), (said, allowed)
-        assert own_problems(name, value), value         # set in code, not read from a spec: the same
-    outside = [step(bounds.ge, -1)] if bounds.ge is not None else []
-    outside += [bounds.gt] if bounds.gt is not None else []
-    outside += [step(bounds.le, 1)] if bounds.le is not None else []
-    outside += [bounds.lt] if bounds.lt is not None else []
-    outside += [step(bounds.off, way) for way in (-1, 1)] if bounds.off is not None else []
+            assert said[0] == f"train.{path}: {value} is not a finite number"
+        assert own_problems(path, value), value         # set in code, not read from a spec: the same
+    outside = [step(bounds["ge"], -1)] if "ge" in bounds else []
+    outside += [bounds["gt"]] if "gt" in bounds else []
+    outside += [step(bounds["le"], 1)] if "le" in bounds else []
+    outside += [bounds["lt"]] if "lt" in bounds else []
     for value in outside:
-        problems = refused({**GOOD, "train": {name: kind(value)}})
-        said = [p for p in problems if p.startswith(f"train.{name}: {kind(value)} is out of range; it must be ")]
-        assert said and all(a in said[0] for a in allowed), (value, problems)
-    inside = [b for b in (bounds.ge, bounds.le, bounds.off) if b is not None]
-    inside += [step(bounds.gt, 1)] if bounds.gt is not None else []
-    inside += [step(bounds.lt, -1)] if bounds.lt is not None else []
+        problems = refused({**GOOD, "train": settings_at(path, kind(value))})
+        said = [p for p in problems if p.startswith(f"train.{path}: {kind(value)!r} is out of range; it must be ")]
+        assert said and any(a in said[0] for a in allowed), (value, problems)
+    inside = [bounds[k] for k in ("ge", "le") if k in bounds]
+    inside += [step(bounds["gt"], 1)] if "gt" in bounds else []
+    inside += [step(bounds["lt"], -1)] if "lt" in bounds else []
     for value in inside:
-        assert own_problems(name, kind(value)) == [], value
+        if path == "algorithm.dual_clip" and 0 < value <= 1:
+            continue                                     # its off value is 0; (0, 1] is refused below
+        assert own_problems(path, kind(value)) == [], value
+
+
+def test_dual_clip_is_off_at_zero_or_above_one():
+    assert own_problems("algorithm.dual_clip", 0.0) == own_problems("algorithm.dual_clip", 3.0) == []
+    for value in (0.5, 1.0):
+        assert own_problems("algorithm.dual_clip", value) == [
+            f"train.algorithm.dual_clip: {value} is out of range; it must be > 1, or 0 (off)"]
 
 
 def test_a_numeric_setting_declared_without_a_range_must_still_be_finite():
-    @dataclasses.dataclass
-    class Later(PPOConfig):
-        added: float = 0.5          # a setting added without number(...)
-    assert Later(added=-7.0).problems() == []
+    class Later(OptimSettings):
+        added: float = 0.5          # a setting added without bounds
+    assert Later(added=-7.0).added == -7.0
     for value in (math.nan, math.inf, -math.inf):
-        assert Later(added=value).problems() == [f"added: {value} is not a finite number; it must be finite"]
+        with pytest.raises(ValidationError, match="finite"):
+            Later(added=value)
 
 
 def test_relations_that_stop_a_job_are_errors():
     short = refused({**GOOD, "signal_lead": 7200})
     assert any(p.startswith("roles.actor_rollout.time: 01:00:00 is not longer than signal_lead 7200 s") for p in short)
     two = {**GOOD, "roles": {**GOOD["roles"], "critic": {"partition": "h100", "nodes": 3}}}
-    assert any("train.mini_batch_size: 32 is not a multiple of the 3 ranks of role critic" in p
+    assert any("train.optim.mini_batch_size: 32 is not a multiple of the 3 ranks of role critic" in p
                for p in refused({**two, "train": {"seed": 1}}))
-    assert any("rollout_tensor_parallel: 2 GPUs per vLLM engine, but role actor_rollout has 1 GPUs per node" in p
-               for p in refused({**GOOD, "train": {"rollout_engine": "vllm", "rollout_tensor_parallel": 2}}))
-    assert any(p.startswith("val_dataset: missing") or "train.val_dataset: missing" in p
-               for p in refused({**GOOD, "train": {"val_every": 5}}))
+    vllm = {"engine": "vllm", "tensor_parallel": 2}
+    assert any("rollout.tensor_parallel: 2 GPUs per vLLM engine, but role actor_rollout has 1 GPUs per node" in p
+               for p in refused({**GOOD, "train": {"rollout": vllm}}))
+    assert any(p.startswith("train.validation.dataset: missing") for p in refused(
+        {**GOOD, "train": {"validation": {"every": 5}}}))
     # a pipeline needs generation apart from the actor: a rollout role, not in the actor's processes
-    assert any("train.pipeline: one_step_off overlaps a separate rollout role" in p and "rollout_role: true" in p
-               for p in refused({**GOOD, "train": {"pipeline": "one_step_off"}}))
+    assert any("train.rollout.pipeline: one_step_off overlaps a separate rollout role" in p and "own_role: true" in p
+               for p in refused({**GOOD, "train": {"rollout": {"pipeline": "one_step_off"}}}))
     apart = {**GOOD, "roles": {**GOOD["roles"], "rollout": {"same_nodes_as": "actor_rollout"}}}
     assert any("colocate puts rollout in actor_rollout's processes" in p for p in refused(
-        {**apart, "train": {"pipeline": "one_step_off", "rollout_role": True, "colocate": [["actor_rollout", "rollout"]]}}))
-    assert any("train.pipeline: 'two_steps_off' is not off or one_step_off" in p
-               for p in refused({**GOOD, "train": {"pipeline": "two_steps_off"}}))
+        {**apart, "train": {"rollout": {"pipeline": "one_step_off", "own_role": True},
+                            "layout": {"colocate": [["actor_rollout", "rollout"]]}}}))
+    assert any("train.rollout.pipeline: Input should be 'off' or 'one_step_off' (got 'two_steps_off')" in p
+               for p in refused({**GOOD, "train": {"rollout": {"pipeline": "two_steps_off"}}}))
 
 
 def test_a_reward_fn_that_is_no_function_here_is_refused_before_submission(tmp_path):
     """As roles.<role>.worker is (tests/test_own_roles.py): imported by this process, the job's interpreter."""
     score = "hpcrl.ppo.tasks.copy_digits:score"
-    cases = {"nopkg.rules:score": "train.reward_fn: 'nopkg.rules:score': module nopkg.rules does not import here",
-             score + "s": f"train.reward_fn: '{score}s': module hpcrl.ppo.tasks.copy_digits has no scores",
-             "hpcrl.ppo.tasks.copy_digits": "train.reward_fn: 'hpcrl.ppo.tasks.copy_digits': write it as "
+    cases = {"nopkg.rules:score": "train.reward.fn: 'nopkg.rules:score': module nopkg.rules does not import here",
+             score + "s": f"train.reward.fn: '{score}s': module hpcrl.ppo.tasks.copy_digits has no scores",
+             "hpcrl.ppo.tasks.copy_digits": "train.reward.fn: 'hpcrl.ppo.tasks.copy_digits': write it as "
                                             "'package.module:name'",
-             "hpcrl.ppo.verifiers:PREFIXES": "train.reward_fn: 'hpcrl.ppo.verifiers:PREFIXES' is not a function "
-                                           "(def score(prompt, response, **fields) -> float)"}
+             "hpcrl.ppo.verifiers:PREFIXES": "train.reward.fn: 'hpcrl.ppo.verifiers:PREFIXES' is not a function "
+                                             "(def score(prompt, response, **fields) -> float)"}
     for path, message in cases.items():
-        problems = refused({**GOOD, "train": {"reward_fn": path}})
+        problems = refused({**GOOD, "train": {"reward": {"fn": path}}})
         assert any(p.startswith(message) for p in problems), (message, problems)
     assert any("(def score(prompts, responses, **fields) -> a score per sample)" in p for p in refused(
-        {**GOOD, "train": {"reward_fn": "hpcrl.ppo.verifiers:PREFIXES", "reward_batched": True}}))
-    checked_hetjob(parse_spec({**GOOD, "train": {"reward_fn": score}}), offline=True)     # a function: taken
+        {**GOOD, "train": {"reward": {"fn": "hpcrl.ppo.verifiers:PREFIXES", "batched": True}}}))
+    checked_hetjob(parse_spec({**GOOD, "train": {"reward": {"fn": score}}}), offline=True)     # a function: taken
     # hpcrl submit refuses it before anything is written (no Slurm needed to see that)
     spec = tmp_path / "bad.yaml"
-    spec.write_text(yaml.safe_dump({**GOOD, "run_dir": str(tmp_path / "run"), "train": {"reward_fn": score + "s"}}))
+    spec.write_text(yaml.safe_dump({**GOOD, "run_dir": str(tmp_path / "run"), "train": {"reward": {"fn": score + "s"}}}))
     out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(spec)], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2 and cases[score + "s"] in out.stderr and not (tmp_path / "run").exists(), out.stderr
 

@@ -1,5 +1,4 @@
 """CheckpointStore with real HDF5 files, a real tiny model and a real SIGKILL."""
-import dataclasses
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from hpcrl.checkpoint.format import read_role_file, rng_state, set_rng_state, wr
 from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.controller import local_worker
 from hpcrl.models import CharTokenizer
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.data import PromptDataset
 from hpcrl.ppo.loop import prepare_inputs
 from hpcrl.ppo.roles import ActorRollout
@@ -47,9 +46,9 @@ def same(a, b):
 def trained(tmp_path_factory):
     """An actor after one PPO update: parameters, AdamW moments, scheduler all non-trivial."""
     run = tmp_path_factory.mktemp("ckpt")
-    cfg = PPOConfig(batch_size=16, mini_batch_size=16, micro_batch_size=8, ppo_epochs=1)
+    cfg = TrainConfig(batch_size=16, mini_batch_size=16, micro_batch_size=8, ppo_epochs=1)
     model_dir, prompts = prepare_inputs(cfg, run)
-    conf = dataclasses.asdict(cfg)
+    conf = cfg
     actor = local_worker(ActorRollout, str(model_dir), conf)
     batch = actor.generate_sequences(PromptDataset(prompts, TOK, 16, 1).next_batch())
     batch = batch.union(actor.compute_log_prob(batch))
@@ -339,7 +338,7 @@ def test_a_resuming_run_skips_a_step_a_role_finds_damaged(tmp_path, caplog):
     from hpcrl.ppo.loop import train
     from hpcrl.raycluster.session import start_local
 
-    cfg = PPOConfig(total_steps=4, save_every=2, keep_last=2, progress=False)
+    cfg = TrainConfig(total_steps=4, save_every=2, keep_last=2, progress=False)
     roles = ["actor_rollout", "critic", "ref", "reward"]
     start_local(roles, run_dir=tmp_path, num_cpus=2)
     try:
@@ -361,7 +360,7 @@ def test_a_resuming_run_skips_a_step_a_role_finds_damaged(tmp_path, caplog):
             fh.write(bytes([byte[0] ^ 0x40]))
         assert not store.check(4) and store.verify(4), "the flip is inside the data, not the size"
         with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
-            train(dataclasses.replace(cfg, total_steps=6), tmp_path)
+            train(cfg.updated(total_steps=6), tmp_path)
     finally:
         ray.shutdown()
     starts = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()

@@ -56,8 +56,9 @@ def test_file_arguments_are_left_to_the_shell():
 
 def test_override_paths():
     assert cands(f"submit {SPEC} tr") == ["train."]
-    assert cands(f"submit {SPEC} train.actor_") == ["train.actor_lr="]
-    assert cands(f"submit {SPEC} train.seed=1 train.critic_l") == ["train.critic_lr="]
+    assert cands(f"submit {SPEC} train.o") == ["train.optim."]
+    assert cands(f"submit {SPEC} train.optim.actor_") == ["train.optim.actor_lr="]
+    assert cands(f"submit {SPEC} train.seed=1 train.optim.critic_l") == ["train.optim.critic_lr="]
     assert cands(f"validate {SPEC} roles.critic.par") == ["roles.critic.partition="]
     assert "metrics.wandb." in cands(f"render {SPEC} metrics.")
     assert cands(f"submit {SPEC} train.seed=") == []    # a value: nothing to offer
@@ -111,9 +112,9 @@ def bash_complete(*lines: list[str]) -> list[list[str]]:
 
 def test_bash_function():
     assert bash_complete(["hpcrl", "ckpt", "v"],
-                         ["hpcrl", "submit", SPEC, "train.actor_l"],
+                         ["hpcrl", "submit", SPEC, "train.optim.actor_l"],
                          ["hpcrl", "submit", SPEC, "roles.critic.par"]) \
-        == [["verify"], ["train.actor_lr="], ["roles.critic.partition="]]
+        == [["verify"], ["train.optim.actor_lr="], ["roles.critic.partition="]]
 
 
 def test_bash_words_split_at_equals():
@@ -122,9 +123,9 @@ def test_bash_words_split_at_equals():
         ["hpcrl", "submit", "--via", "="],
         ["hpcrl", "submit", "--via", "=", "subm"],
         # an earlier override `train.seed=1` is three words to bash, not three arguments
-        ["hpcrl", "submit", SPEC, "train.seed", "=", "1", "train.actor_l"],
+        ["hpcrl", "submit", SPEC, "train.seed", "=", "1", "train.optim.actor_l"],
         ["hpcrl", "submit", SPEC, "train.seed", "="],
-    ) == [["sbatch", "submitit"], ["submitit"], ["train.actor_lr="], []]
+    ) == [["sbatch", "submitit"], ["submitit"], ["train.optim.actor_lr="], []]
 
 
 def test_shell_scripts():

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, job_finished, slurm_log, wait_until
+from conftest import ROOT, job_finished, slurm_log, wait_until, with_train
 
-from hpcrl.spec import SpecError, load_spec
-from hpcrl.spec.checks import problems_before_submit
+from hpcrl.jobspec import SpecError, load_spec
+from hpcrl.jobspec.checks import problems_before_submit
 from hpcrl.slurm.cluster_info import ClusterInfo
 from hpcrl.slurm.sbatch import submit_hetjob
 
@@ -29,8 +29,8 @@ def spec_file(tmp_path, change, name="spec"):
 def test_what_cannot_run_in_a_container_is_refused_by_field(tmp_path):
     cases = {
         "bootstrap: mpi, but a component runs in a container": lambda s: s.update(bootstrap="mpi"),
-        "train.checkpoint_io: parallel, but a component runs in a container": lambda s: s["train"].update(
-            checkpoint_io="parallel"),
+        "train.checkpoint.io: parallel, but a component runs in a container": lambda s: with_train(
+            s, checkpoint={"io": "parallel"}),
         "roles.reward: has same_nodes_as and resource fields ['container']": lambda s: s["roles"]["reward"].update(
             container="host"),
         "container.env: ['1X']: names of letters": lambda s: s["container"].update(env={"1X": "y"}),

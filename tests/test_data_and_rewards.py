@@ -11,7 +11,7 @@ from conftest import wait_until
 
 from hpcrl.controller.batch import Batch
 from hpcrl.models import CharTokenizer
-from hpcrl.ppo import rewards
+from hpcrl.ppo import verifiers
 from hpcrl.ppo.data import PromptDataset, read_rows, write_rows
 from hpcrl.ppo.tasks import copy_digits
 
@@ -31,11 +31,11 @@ def verl_rows():
 
 
 def test_gsm8k_scorer_reads_the_last_answer_line():
-    assert rewards.gsm8k("48/2 = 24 in May, so 48 + 24 = 72.\n#### 72", "72") == 1.0
-    assert rewards.gsm8k("#### 1,234", "1234") == 1.0 and rewards.gsm8k("#### $72", "72") == 1.0
-    assert rewards.gsm8k("#### 70\nno wait\n#### 72", "72") == 1.0      # the last answer line counts
-    assert rewards.gsm8k("The answer is 72.", "72") == 0.0              # no answer line: GSM8K's format asked for one
-    assert rewards.gsm8k("#### 71", "72") == 0.0
+    assert verifiers.gsm8k("48/2 = 24 in May, so 48 + 24 = 72.\n#### 72", "72") == 1.0
+    assert verifiers.gsm8k("#### 1,234", "1234") == 1.0 and verifiers.gsm8k("#### $72", "72") == 1.0
+    assert verifiers.gsm8k("#### 70\nno wait\n#### 72", "72") == 1.0      # the last answer line counts
+    assert verifiers.gsm8k("The answer is 72.", "72") == 0.0              # no answer line: GSM8K's format asked for one
+    assert verifiers.gsm8k("#### 71", "72") == 0.0
 
 
 def test_last_number_scorer_agrees_with_reasoning_gyms_own_check():
@@ -48,21 +48,21 @@ def test_last_number_scorer_agrees_with_reasoning_gyms_own_check():
         for answer in (truth, str(int(truth) + 1), str(-int(truth))):
             for response in (answer, f"The final answer is {answer}.", f"{truth} + 0 = ...\nSo: {answer}"):
                 # reasoning-gym gives 0.5 for a sign error; a verifiable reward is right or wrong
-                assert rewards.last_number(response, truth) == float(data.score_answer(answer, entry) == 1.0), response
+                assert verifiers.last_number(response, truth) == float(data.score_answer(answer, entry) == 1.0), response
 
 
 def test_math_scorer_uses_math_verify():
-    assert rewards.math("so the result is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
-    assert rewards.math("The answer is $1,234$.", "1234") == 1.0
-    assert rewards.math("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}") == 0.0
+    assert verifiers.math("so the result is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert verifiers.math("The answer is $1,234$.", "1234") == 1.0
+    assert verifiers.math("\\boxed{\\frac{1}{3}}", "\\frac{1}{2}") == 0.0
 
 
 def test_scorer_is_chosen_by_data_source_and_an_unknown_one_is_named():
-    assert rewards.by_data_source("q", "#### 72", data_source="openai/gsm8k", ground_truth="72") == 1.0
-    assert rewards.by_data_source("q", "it is 71", data_source="reasoning_gym/chain_sum", ground_truth="71") == 1.0
-    assert rewards.by_data_source("q", "\\boxed{0.5}", data_source="HuggingFaceH4/MATH-500", ground_truth="1/2") == 1.0
+    assert verifiers.by_data_source("q", "#### 72", data_source="openai/gsm8k", ground_truth="72") == 1.0
+    assert verifiers.by_data_source("q", "it is 71", data_source="reasoning_gym/chain_sum", ground_truth="71") == 1.0
+    assert verifiers.by_data_source("q", "\\boxed{0.5}", data_source="HuggingFaceH4/MATH-500", ground_truth="1/2") == 1.0
     with pytest.raises(ValueError, match=r"no built-in scorer for data_source 'my/source' \(known: openai/gsm8k"):
-        rewards.by_data_source("q", "1", data_source="my/source", ground_truth="1")
+        verifiers.by_data_source("q", "1", data_source="my/source", ground_truth="1")
 
 
 def test_verl_parquet_and_jsonl_read_the_same(tmp_path):

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import ROOT, job_finished, sh, slurm_log, submit, wait_until
+from conftest import ROOT, job_finished, sh, slurm_log, submit, wait_until, with_train
 from test_raycluster import ray_processes_of
 from test_requeue import assert_same_training
 
-from hpcrl.spec import load_spec
+from hpcrl.jobspec import load_spec
 from hpcrl.launch.entrypoint import write_local_spec
 from hpcrl.launch.scale import elastic_problem
 from hpcrl.observe.overview import format_status, gather_status
@@ -101,7 +101,7 @@ def resizes(run: Path) -> list[tuple[int, int]]:
 
 def elastic_spec(tmp_path: Path, **train) -> Path:
     spec = yaml.safe_load(ELASTIC.read_text())
-    spec["train"].update(total_steps=STEPS, progress=False, reward_fn="held_scorer:score", **train)
+    with_train(spec, total_steps=STEPS, progress=False, reward_fn="held_scorer:score", **train)
     path = tmp_path / "elastic.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -216,7 +216,7 @@ def test_a_rule_reward_grows_shrinks_and_is_requeued_with_its_satellites_trainin
 def test_which_roles_scale_and_the_token_a_satellite_accepts(tmp_path):
     """Only roles whose workers hold no trained state scale; the token must be the user's own, 0600."""
     spec = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())
-    spec["train"]["colocate"] = [["ref", "reward"]]
+    spec["train"]["layout"] = {"colocate": [["ref", "reward"]]}
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     loaded = load_spec(path, run_dir=tmp_path / "run")

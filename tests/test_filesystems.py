@@ -1,6 +1,5 @@
 """Run directories on the filesystems users have: one where file locks fail (as on many NFS, Lustre,
 GPFS and Cray DVS mounts) and one that fills up during a run. Real HDF5, real driver, real Ray."""
-import dataclasses
 import json
 import os
 import random
@@ -15,7 +14,7 @@ from test_requeue import assert_same_training
 
 from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.observe.metrics import read_metrics
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 
 # flock and fcntl's lock commands fail with ENOLCK ("No locks available", errno 37): what h5py #1082
 # reports from NFS; everything else fcntl does goes through
@@ -57,7 +56,7 @@ def test_checkpoints_write_read_verify_and_resume_without_file_locks(tmp_path, n
                             str(tmp_path / "probe.h5")], capture_output=True, text=True)
     assert probe.returncode != 0 and "unable to lock file, errno = 37" in probe.stderr, probe.stderr
 
-    cfg = PPOConfig(total_steps=6, save_every=2, progress=False)
+    cfg = TrainConfig(total_steps=6, save_every=2, progress=False)
     with pytest.MonkeyPatch.context() as unlocked:      # the reference, meanwhile: an ordinary disk, no stop
         unlocked.delenv("LD_PRELOAD")
         once = start_local_training(tmp_path / "once", cfg)
@@ -92,11 +91,11 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
-def start_driver(run, cfg: PPOConfig) -> subprocess.Popen:
+def start_driver(run, cfg: TrainConfig) -> subprocess.Popen:
     """The driver, locally, its output kept (the one error message is read from it)."""
     from hpcrl.launch.entrypoint import write_local_spec
 
-    write_local_spec(run, dataclasses.asdict(cfg))
+    write_local_spec(run, cfg)
     return subprocess.Popen([sys.executable, "-m", "hpcrl.launch", str(run), "--local", "--num-cpus", "2"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -141,7 +140,7 @@ def committed_and_intact(store: CheckpointStore, disk) -> list[int]:
 def test_a_full_disk_stops_the_run_with_one_message_and_keeps_every_committed_step(tmp_path, small_disk):
     run = tmp_path / "run"
     # saves 3 steps apart, so that the disk is filled between two saves, not during one
-    proc = start_driver(run, PPOConfig(total_steps=200, save_every=3, keep_last=100, progress=False))
+    proc = start_driver(run, TrainConfig(total_steps=200, save_every=3, keep_last=100, progress=False))
     store = CheckpointStore(run)
     wait_until(lambda: store.committed_steps(), 300, "the first committed step")
     smallest = min(r["bytes"] for r in store.manifest(store.committed_steps()[0])["roles"].values())
@@ -158,7 +157,7 @@ def test_a_step_that_cannot_fit_whole_is_refused_before_any_role_writes(tmp_path
     """The roles save at once: room for each role's file, not for all of them, refuses the step
     before any file of it is written."""
     run = tmp_path / "run"
-    proc = start_driver(run, PPOConfig(total_steps=200, save_every=3, keep_last=100, progress=False))
+    proc = start_driver(run, TrainConfig(total_steps=200, save_every=3, keep_last=100, progress=False))
     store = CheckpointStore(run)
     wait_until(lambda: store.committed_steps(), 300, "the first committed step")
     first = store.committed_steps()[0]
@@ -175,7 +174,7 @@ def test_a_step_that_cannot_fit_whole_is_refused_before_any_role_writes(tmp_path
 
 def test_a_read_only_run_directory_stops_the_run_and_keeps_the_committed_steps(tmp_path, small_disk):
     run = tmp_path / "run"
-    proc = start_driver(run, PPOConfig(total_steps=200, save_every=2, keep_last=100, progress=False))
+    proc = start_driver(run, TrainConfig(total_steps=200, save_every=2, keep_last=100, progress=False))
     store = CheckpointStore(run)
     wait_until(lambda: store.committed_steps(), 300, "the first committed step")
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
@@ -226,7 +225,7 @@ def test_an_exceeded_quota_stops_the_run_and_keeps_the_committed_steps(tmp_path,
     monkeypatch.setenv("LD_PRELOAD", str(lib))
     monkeypatch.setenv("HPCRL_QUOTA_DIR", str(run / "ckpt"))
     monkeypatch.setenv("HPCRL_QUOTA_FLAG", str(flag))
-    proc = start_driver(run, PPOConfig(total_steps=200, save_every=2, keep_last=100, progress=False))
+    proc = start_driver(run, TrainConfig(total_steps=200, save_every=2, keep_last=100, progress=False))
     store = CheckpointStore(run)
     wait_until(lambda: store.committed_steps(), 300, "the first committed step")
     flag.touch()
@@ -237,7 +236,7 @@ def test_an_exceeded_quota_stops_the_run_and_keeps_the_committed_steps(tmp_path,
 
 def test_a_vanished_run_directory_stops_the_run_with_one_message(tmp_path):
     run = tmp_path / "run"
-    proc = start_driver(run, PPOConfig(total_steps=200, save_every=2, keep_last=100, progress=False))
+    proc = start_driver(run, TrainConfig(total_steps=200, save_every=2, keep_last=100, progress=False))
     wait_until(lambda: CheckpointStore(run).committed_steps(), 300, "the first committed step")
     run.rename(tmp_path / "moved")
     stopped_with_one_message(proc, run, (str(run), "the directory is gone", "is gone (deleted, moved"))

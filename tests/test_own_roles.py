@@ -11,11 +11,11 @@ import textwrap
 
 import pytest
 import yaml
-from conftest import ROOT, job_finished, keeping_off, kill_dead, preempt_and_finish, slurm_log, submit, wait_until
+from conftest import ROOT, job_finished, keeping_off, kill_dead, preempt_and_finish, slurm_log, submit, wait_until, with_train
 from test_requeue import assert_same_training
 
 from hpcrl.checkpoint.format import read_role_file
-from hpcrl.spec import SpecError, load_spec
+from hpcrl.jobspec import SpecError, load_spec
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.report import CURVES, expand
 from hpcrl.observe.status import read_events
@@ -26,7 +26,7 @@ STEPS = 60      # about 0.25 s each: the kill, the rebuild and the preemption fa
 
 def rules_spec(tmp_path, name, steps, **top):
     spec = yaml.safe_load(RULES.read_text())
-    spec["train"].update(total_steps=steps, progress=False)
+    with_train(spec, total_steps=steps, progress=False)
     spec.update(top)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -46,10 +46,11 @@ def test_a_spec_naming_code_that_is_not_there_is_refused_naming_the_field(tmp_pa
         "roles.rule_engine.worker: 'hpcrl.jobs.rule_engine:RuleEngineWorker': RuleEngineWorker.__init__ does not "
         "take these worker_args ['bonus']":
             lambda s: s["roles"]["rule_engine"].update(worker_args={"bonus": 1}),
-        "train.rewards[1].method: RuleEngineWorker has no method compute_rule_scores (registered: compute_rule_score)":
-            lambda s: s["train"]["rewards"][1].update(method="compute_rule_scores"),
-        "train.rewards[1].role: rules is not a role of this spec (roles: actor_rollout, reward, rule_engine)":
-            lambda s: s["train"]["rewards"][1].update(role="rules"),
+        "train.reward.scorers[1].method: RuleEngineWorker has no method compute_rule_scores (registered: "
+        "compute_rule_score)":
+            lambda s: s["train"]["reward"]["scorers"][1].update(method="compute_rule_scores"),
+        "train.reward.scorers[1].role: rules is not a role of this spec (roles: actor_rollout, reward, rule_engine)":
+            lambda s: s["train"]["reward"]["scorers"][1].update(role="rules"),
         "roles.reward.worker: reward is a built-in role":
             lambda s: s["roles"]["reward"].update(worker="hpcrl.jobs.rule_engine:RuleEngineWorker"),
         "driver: 'hpcrl.jobs.own_loop:man': module hpcrl.jobs.own_loop has no man":
@@ -137,7 +138,7 @@ def test_two_critics_side_by_side_leave_the_built_in_training_as_it_was(tmp_path
     runs = {}
     for name, own in (("two", True), ("builtin", False)):
         spec = yaml.safe_load((ROOT / "jobs" / "tiny-cpu-two-critics.yaml").read_text())
-        spec["train"].update(total_steps=12, progress=False)
+        with_train(spec, total_steps=12, progress=False)
         if not own:
             spec.pop("driver")
             spec["roles"].pop("critic_small")

@@ -11,12 +11,12 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ROOT, kill_dead, run_local, start_local_training, wait_until
+from conftest import LEARNING_STEPS, ROOT, kill_dead, run_local, start_local_training, wait_until
 
 from hpcrl.observe.logs import read_calls
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 
 PIPELINED = dict(rollout_role=True, pipeline="one_step_off", progress=False)
 
@@ -37,7 +37,7 @@ def overlap(a: dict, b: dict) -> bool:
 def test_a_slow_scorer_scores_batches_ahead_while_the_step_before_trains(tmp_path, monkeypatch):
     (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))        # the driver's, and so the Ray workers'
-    cfg = PPOConfig(total_steps=8, max_staleness=2, reward_fn="slow_scorer:score", reward_batched=True, tis_cap=2.0,
+    cfg = TrainConfig(total_steps=8, max_staleness=2, reward_fn="slow_scorer:score", reward_batched=True, tis_cap=2.0,
                     **PIPELINED)
     records = run_local(tmp_path / "run", cfg)
     # two batches in flight: step k trains on weights k-1, on a batch sampled with weights k-3
@@ -56,7 +56,7 @@ def test_a_slow_scorer_scores_batches_ahead_while_the_step_before_trains(tmp_pat
 
 def test_while_the_critic_is_rebuilt_the_rollout_has_the_next_batch_in_hand(tmp_path):
     run = tmp_path / "run"
-    proc = start_local_training(run, PPOConfig(total_steps=30, **PIPELINED))
+    proc = start_local_training(run, TrainConfig(total_steps=30, **PIPELINED))
     wait_until(lambda: len(read_metrics(run / "metrics.jsonl")) >= 3, 300, "3 steps")
     pid = json.loads((run / "status.json").read_text())["roles"]["critic"]["ranks"][0]["pid"]
     calls = run / "logs" / "critic" / "rank0.calls.jsonl"
@@ -90,18 +90,18 @@ def test_while_the_critic_is_rebuilt_the_rollout_has_the_next_batch_in_hand(tmp_
 
 @pytest.mark.slurm
 def test_the_pipelined_hetjob_learns_the_tiny_task(slurm_cluster, tmp_path):
-    """jobs/tiny-cpu-pipelined.yaml as a 4-component hetjob learns as jobs/tiny-cpu.yaml does
+    """jobs/tiny-cpu-pipelined.yaml as a 4-component hetjob (LEARNING_STEPS of it) learns as jobs/tiny-cpu.yaml does
     sequentially (last-10 mean 0.97-0.999 over seeds; the bar is tests/test_ppo.py's), every batch
     one policy version behind the actor that trains on it."""
-    run = tmp_path / "run"
+    run, total = tmp_path / "run", LEARNING_STEPS
     out = subprocess.run([sys.executable, "-m", "hpcrl", "submit", "jobs/tiny-cpu-pipelined.yaml", "--run-dir", str(run),
-                          "--wait"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+                          f"train.total_steps={total}", "--wait"], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert out.returncode == 0, out.stdout + out.stderr
     records = read_metrics(run / "metrics.jsonl")
-    assert len(records) == 300
+    assert len(records) == total
     assert np.mean([r["reward/mean"] for r in records[:5]]) <= 0.15
     assert np.mean([r["reward/mean"] for r in records[-10:]]) >= 0.9
-    assert [r["policy/lag"] for r in records] == [0] + [1] * 299
+    assert [r["policy/lag"] for r in records] == [0] + [1] * (total - 1)
     st = json.loads(subprocess.run([sys.executable, "-m", "hpcrl", "status", str(run), "--json"], capture_output=True,
                                    text=True, cwd=ROOT, check=True).stdout)
     assert {r: c["partition"] for c in st["components"] for r in c["roles"]} == {
@@ -111,7 +111,7 @@ def test_the_pipelined_hetjob_learns_the_tiny_task(slurm_cluster, tmp_path):
     updated = {c["step"]: c for c in calls["actor_rollout"] if c["method"] == "update_actor"}
     # the rollout's generation of step k+1 started before the actor's update of step k ended (a loaded
     # machine may delay a start now and then)
-    ahead = [k for k in range(1, 300) if generated[k + 1]["start"] < updated[k]["end"]]
-    assert len(ahead) >= 0.95 * 299, len(ahead)     # sequentially: none
+    ahead = [k for k in range(1, total) if generated[k + 1]["start"] < updated[k]["end"]]
+    assert len(ahead) >= 0.95 * (total - 1), len(ahead)     # sequentially: none
     subprocess.run([sys.executable, "-m", "hpcrl", "report", str(run)], cwd=ROOT, check=True, capture_output=True)
     assert (run / "report" / "timeline.png").stat().st_size > 10_000

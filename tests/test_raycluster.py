@@ -44,7 +44,7 @@ def inspect_cluster(run_dir, roles):
     from hpcrl.raycluster import connect
 
     connect(run_dir)
-    nodes = sorted((n["Labels"]["hpcrl.node"], n["NodeManagerAddress"], n["Labels"]["hpcrl.spec"])
+    nodes = sorted((n["Labels"]["hpcrl.node"], n["NodeManagerAddress"], n["Labels"]["hpcrl.jobspec"])
                    for n in ray.nodes() if n["Alive"])
 
     @ray.remote(num_cpus=0)

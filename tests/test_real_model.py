@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import ROOT, job_finished, preempt_and_finish, slurm_log, start_local_training, submit, wait_until
+from conftest import ROOT, job_finished, preempt_and_finish, slurm_log, start_local_training, submit, wait_until, with_train
 
 from hpcrl.controller import local_worker
 from hpcrl.controller.batch import Batch
@@ -21,7 +21,7 @@ from hpcrl.engines.base import SamplingParams
 from hpcrl.models import load_causal_lm
 from hpcrl.models.tokenizer import HFTokenizer, load_tokenizer
 from hpcrl.observe.metrics import read_metrics
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.data import PromptDataset, write_rows
 
 CHAT = [[{"role": "user", "content": "What is the capital of France?"}],
@@ -161,7 +161,7 @@ def test_a_scorer_that_raises_fails_the_step_by_name(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))        # the driver's, and so the Ray workers'
     rows = [{"prompt": f"{n}{n}=", "n": n, "data_source": "digits"} for n in range(8)]
     dataset = write_rows(rows, tmp_path / "digits.jsonl")
-    cfg = PPOConfig(total_steps=3, dataset=str(dataset), reward_fn="my_scorer:score", batch_size=8, mini_batch_size=8,
+    cfg = TrainConfig(total_steps=3, dataset=str(dataset), reward_fn="my_scorer:score", batch_size=8, mini_batch_size=8,
                     micro_batch_size=8, progress=False)
     assert start_local_training(tmp_path / "run", cfg).wait(timeout=300) != 0
     status = json.loads((tmp_path / "run" / "status.json").read_text())
@@ -178,7 +178,7 @@ def test_a_scorer_that_raises_fails_the_step_by_name(tmp_path, monkeypatch):
 def real_spec(tmp_path, name, model, data, **train):
     """jobs/smollm2-chain-sum.yaml, shortened for CI: a few steps, short answers."""
     spec = yaml.safe_load((ROOT / "jobs" / "smollm2-chain-sum.yaml").read_text())
-    spec["train"].update(model_dir=str(model), dataset=str(data / "train.parquet"),
+    with_train(spec, model_dir=str(model), dataset=str(data / "train.parquet"),
                          val_dataset=str(data / "test.parquet"), progress=False, **train)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))

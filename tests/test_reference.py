@@ -1,7 +1,7 @@
 """The docs' reference pages (hpcrl/reference.py): each committed page is what the code gives now,
 a field holding a model gets its own table at the field's path, and the registries the metrics and
 events pages are made of are complete: two short real trainings (PPO with a critic, reference,
-two reward terms and validation; GRPO) log every metric of hpcrl/ppo/metric_names.py and nothing
+two reward terms and validation; GRPO) log every metric of hpcrl/ppo/step_metrics.py and nothing
 else, and every event kind the code writes is in hpcrl/observe/event_kinds.py (about 45 s on 2 cores)."""
 import ast
 import json
@@ -18,7 +18,7 @@ from hpcrl import reference
 from hpcrl.observe.event_kinds import EVENTS, EVERY_EVENT
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events
-from hpcrl.ppo.metric_names import METRICS, entry
+from hpcrl.ppo.step_metrics import METRICS, entry
 
 STALE = f"run {reference.REGENERATE} to regenerate"
 
@@ -116,9 +116,9 @@ def runs(tmp_path_factory):
 def test_every_metric_a_run_logs_is_in_the_registry_and_every_entry_is_logged(runs):
     records = [r for run in runs for r in read_metrics(run / "metrics.jsonl")]
     unknown = sorted({k for r in records for k in r if entry(k) is None})
-    assert not unknown, f"logged, but not in hpcrl/ppo/metric_names.py: {unknown}"
+    assert not unknown, f"logged, but not in hpcrl/ppo/step_metrics.py: {unknown}"
     logged = {entry(k) for r in records for k, v in r.items() if v is not None}
-    assert not set(METRICS) - logged, f"in hpcrl/ppo/metric_names.py, never logged: {sorted(set(METRICS) - logged)}"
+    assert not set(METRICS) - logged, f"in hpcrl/ppo/step_metrics.py, never logged: {sorted(set(METRICS) - logged)}"
 
 
 def event_calls():

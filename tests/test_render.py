@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrl.spec import load_spec
+from hpcrl.jobspec import load_spec
 from hpcrl.slurm.render import render_hetjob
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def test_script_structure():
 
 
 def test_a_single_component_job_is_not_a_hetjob():
-    from hpcrl.spec import parse_spec
+    from hpcrl.jobspec import parse_spec
 
     job = parse_spec({"name": "one", "run_dir": "/tmp/one", "roles": {"actor_rollout": {"partition": "a100"}}}) \
         .to_hetjob(python="python3")

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from conftest import (ROOT, comparable, in_container, in_image, job_finished, job_records, kill_dead,
                       plot_pixels_seen_by_chromium, preempt_and_finish, sh, slurm_log, start_local_training, submit,
-                      wait_until)
+                      wait_until, with_train)
 
 from hpcrl.observe.metrics import read_metrics
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 
 
 def final_state(run, step, roles=("actor_rollout", "critic")) -> dict:
@@ -41,7 +41,7 @@ def assert_same_training(a, b, steps, roles=("actor_rollout", "critic"), metrics
 
 
 def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
-    cfg = PPOConfig(total_steps=12, progress=False)
+    cfg = TrainConfig(total_steps=12, progress=False)
     once = start_local_training(tmp_path / "once", cfg)      # the reference, at the same time
     proc = start_local_training(tmp_path / "twice", cfg)
     stop_after = random.Random().randint(2, 9)
@@ -94,7 +94,7 @@ def short_spec(tmp_path, name, job="tiny-cpu.yaml", steps=40, **overrides):
     """A job of jobs/ for `steps` steps, its critic data-parallel on both h100 nodes, writing its
     checkpoints with parallel HDF5 (the pipelined job's actor moves to a100 to make room)."""
     spec = yaml.safe_load((ROOT / "jobs" / job).read_text())
-    spec["train"].update(total_steps=steps, progress=False, checkpoint_io="parallel")
+    with_train(spec, total_steps=steps, progress=False, checkpoint_io="parallel")
     spec["roles"]["critic"]["nodes"] = 2
     if spec["roles"]["actor_rollout"]["partition"] == "h100":
         spec["roles"]["actor_rollout"].update(partition="a100", gpu_type="a100")
@@ -221,7 +221,7 @@ def test_a_rebuilt_role_comes_back_from_its_latest_committed_file(tmp_path):
     from hpcrl.ppo.loop import build_worker_groups, prepare_inputs, train
     from hpcrl.raycluster.session import start_local
 
-    cfg = PPOConfig(total_steps=4, save_every=2, progress=False)
+    cfg = TrainConfig(total_steps=4, save_every=2, progress=False)
     start_local(["actor_rollout", "critic", "ref", "reward"], run_dir=tmp_path, num_cpus=2)
     try:
         model_dir, _ = prepare_inputs(cfg, tmp_path)

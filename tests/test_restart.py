@@ -3,7 +3,6 @@ step boundary (a snapshot) and the state-changing calls since are made again, so
 bitwise where an uninterrupted one ends. Real processes, real SIGKILLs, a local Ray."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
@@ -13,7 +12,7 @@ import numpy as np
 from conftest import comparable, kill_dead, run_local, start_local_training, wait_until
 
 from hpcrl.observe.metrics import read_metrics
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 
 STEPS = 16
 
@@ -29,11 +28,11 @@ def role_tensors(path) -> dict[str, np.ndarray]:
 def test_roles_killed_at_random_moments_end_bitwise_as_an_uninterrupted_run(tmp_path):
     seed = random.randrange(2**32)
     rng = random.Random(seed)
-    cfg = PPOConfig(total_steps=STEPS, save_every=0, restart_limit=50, progress=False)
+    cfg = TrainConfig(total_steps=STEPS, save_every=0, restart_limit=50, progress=False)
     whole = run_local(tmp_path / "whole", cfg)
 
     run = tmp_path / "killed"
-    proc = start_local_training(run, dataclasses.replace(cfg))
+    proc = start_local_training(run, cfg)
     status = run / "status.json"
     wait_until(lambda: status.exists() and json.loads(status.read_text())["step"] >= 1, 300, "the first step")
     kills = []

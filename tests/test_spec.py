@@ -1,7 +1,7 @@
 """Job spec parsing and its errors (pure logic: no cluster)."""
 import pytest
 
-from hpcrl.spec import SpecError, load_spec, parse_spec
+from hpcrl.jobspec import SpecError, load_spec, parse_spec
 from hpcrl.slurm.job import Gres, parse_mem_mb, parse_time_minutes
 
 GOOD = {"name": "t", "run_dir": "/tmp/x",
@@ -84,15 +84,15 @@ def test_run_dir_override_and_relative_paths(tmp_path, monkeypatch):
 def test_megatron_needs_gpus_that_its_layout_divides():
     gpu = {"partition": "h100", "gpus_per_node": 2}
     roles = {"actor_rollout": gpu, "critic": gpu, "ref": gpu, "reward": {"same_nodes_as": "ref"}}
-    ok = parse_spec({**GOOD, "roles": roles, "train": {"train_engine": "megatron", "tensor_parallel": 2}})
-    assert ok.train["tensor_parallel"] == 2
-    with pytest.raises(SpecError, match=r"roles.ref: no GPUs, but train.train_engine: megatron runs role ref"):
-        parse_spec({**GOOD, "roles": {**roles, "ref": {"partition": "cpu"}}, "train": {"train_engine": "megatron"}})
+    megatron = {"backend": "megatron", "tensor_parallel": 2}
+    ok = parse_spec({**GOOD, "roles": roles, "train": {"engine": megatron}})
+    assert ok.train.engine.tensor_parallel == 2
+    with pytest.raises(SpecError, match=r"roles.ref: no GPUs, but train.engine.backend: megatron runs role ref"):
+        parse_spec({**GOOD, "roles": {**roles, "ref": {"partition": "cpu"}}, "train": {"engine": {"backend": "megatron"}}})
     with pytest.raises(SpecError, match=r"= 4 GPUs per model does not divide the 2 GPUs of role actor_rollout"):
-        parse_spec({**GOOD, "roles": roles, "train": {"train_engine": "megatron", "tensor_parallel": 2,
-                                                      "pipeline_parallel": 2}})
-    with pytest.raises(SpecError, match=r"train.tensor_parallel: 2 needs train_engine: megatron"):
-        parse_spec({**GOOD, "train": {"tensor_parallel": 2}})
+        parse_spec({**GOOD, "roles": roles, "train": {"engine": {**megatron, "pipeline_parallel": 2}}})
+    with pytest.raises(SpecError, match=r"train.engine.tensor_parallel: 2 needs backend: megatron"):
+        parse_spec({**GOOD, "train": {"engine": {"tensor_parallel": 2}}})
 
 
 def test_parallel_checkpoints_need_an_h5py_with_mpi_in_the_jobs_python(tmp_path):
@@ -103,13 +103,13 @@ def test_parallel_checkpoints_need_an_h5py_with_mpi_in_the_jobs_python(tmp_path)
     from hpcrl.launch.submit import checked_hetjob
 
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True)
-    bare = parse_spec({**GOOD, "python": str(tmp_path / "bare" / "bin" / "python"), "train": {"checkpoint_io": "parallel"}})
-    with pytest.raises(SpecError, match=r"train.checkpoint_io: parallel, but h5py does not import in .*bare.*"
-                                        r"or use checkpoint_io: auto"):
+    bare = parse_spec({**GOOD, "python": str(tmp_path / "bare" / "bin" / "python"), "train": {"checkpoint": {"io": "parallel"}}})
+    with pytest.raises(SpecError, match=r"train.checkpoint.io: parallel, but h5py does not import in .*bare.*"
+                                        r"or use checkpoint.io: auto"):
         checked_hetjob(bare, offline=True)
-    with pytest.raises(SpecError, match=r"train.checkpoint_io: 'always' is not auto, parallel or serial"):
-        parse_spec({**GOOD, "train": {"checkpoint_io": "always"}})
-    assert parse_spec({**GOOD, "train": {"checkpoint_io": "parallel"}}).train["checkpoint_io"] == "parallel"
+    with pytest.raises(SpecError, match=r"train.checkpoint.io: Input should be 'auto', 'parallel' or 'serial' \(got 'always'\)"):
+        parse_spec({**GOOD, "train": {"checkpoint": {"io": "always"}}})
+    assert parse_spec({**GOOD, "train": {"checkpoint": {"io": "parallel"}}}).train.checkpoint.io == "parallel"
 
 
 def test_an_mpi_step_names_its_own_component_and_puts_rank_i_on_hosts_i():

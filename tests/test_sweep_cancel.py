@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import ROOT, job_records, queue_ids, sh, wait_until
 
-from hpcrl.spec.overrides import OverrideError, parse_sweep
+from hpcrl.jobspec.overrides import OverrideError, parse_sweep
 from hpcrl.launch.sweep import combinations
 from hpcrl.observe.metrics import read_metrics
 

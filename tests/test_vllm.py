@@ -4,7 +4,6 @@
 separate Rollout role that receives the actor's weights through the object store. The reference
 for every log-prob is the trainer's own forward pass (transformers), not vLLM.
 """
-import dataclasses
 import sys
 
 import numpy as np
@@ -15,12 +14,12 @@ from conftest import run_local
 from hpcrl.controller import ResourcePool, WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.models import CharTokenizer
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.data import PromptDataset
 from hpcrl.ppo.loop import prepare_inputs
 from hpcrl.ppo.roles import ActorRollout, Rollout
 
-CFG = PPOConfig(rollout_engine="vllm", batch_size=16, mini_batch_size=16, micro_batch_size=16, ppo_epochs=1,
+CFG = TrainConfig(rollout_engine="vllm", batch_size=16, mini_batch_size=16, micro_batch_size=16, ppo_epochs=1,
                 warmup_steps=0, max_new_tokens=4, temperature=0.9, actor_lr=3e-3)
 
 
@@ -31,13 +30,14 @@ def groups(tmp_path_factory):
     from hpcrl.raycluster.session import start_local
 
     run = tmp_path_factory.mktemp("vllm")
-    cfg = dataclasses.replace(CFG, cache_dir=str(run / "cache"))
+    cfg = CFG.model_copy(deep=True)
+    cfg.rollout.cache_dir = str(run / "cache")
     model_dir, prompts = prepare_inputs(cfg, run)
     start_local(["actor_rollout", "rollout"], run_dir=run, num_cpus=2)
-    conf = dataclasses.asdict(cfg)
+    conf = cfg
     actor = WorkerGroup(ResourcePool.for_role("actor_rollout"), ActorRollout, (str(model_dir), conf), log_dir=run / "logs")
     rollout = WorkerGroup(ResourcePool.for_role("rollout"), Rollout, (str(model_dir), conf), log_dir=run / "logs")
-    batch = PromptDataset(prompts, CharTokenizer.load(model_dir), cfg.batch_size, cfg.seed).next_batch()
+    batch = PromptDataset(prompts, CharTokenizer.load(model_dir), cfg.data.batch_size, cfg.seed).next_batch()
     batch.meta["step"] = 1
     yield actor, rollout, batch, run
     ray.shutdown()
@@ -53,10 +53,10 @@ def test_generation_shapes_and_log_probs(groups):
     actor, _, prompts, run = groups
     gen = actor.generate_sequences(prompts)
     b = len(prompts)
-    assert gen["responses"].shape == gen["response_mask"].shape == (b, CFG.max_new_tokens)
-    assert gen["input_ids"].shape == (b, prompts["prompt_ids"].shape[1] + CFG.max_new_tokens)
+    assert gen["responses"].shape == gen["response_mask"].shape == (b, CFG.rollout.max_new_tokens)
+    assert gen["input_ids"].shape == (b, prompts["prompt_ids"].shape[1] + CFG.rollout.max_new_tokens)
     lengths = gen["response_mask"].sum(dim=1)
-    assert (lengths >= 1).all() and (lengths[~gen["has_eos"]] == CFG.max_new_tokens).all()
+    assert (lengths >= 1).all() and (lengths[~gen["has_eos"]] == CFG.rollout.max_new_tokens).all()
     # the stop token ends a response: nothing after it is kept
     eos = CharTokenizer.eos_id
     for row, n in zip(gen["responses"], lengths):
@@ -100,12 +100,12 @@ def test_new_weights_reach_both_engines(groups):
 
 
 def test_tiny_job_learns_with_the_vllm_engine(tmp_path):
-    """jobs/tiny-cpu.yaml with rollout_engine: vllm: the torch engine's threshold."""
+    """jobs/tiny-cpu.yaml with rollout.engine: vllm, LEARNING_STEPS of it: the torch engine's threshold."""
     import yaml
-    from conftest import ROOT
+    from conftest import LEARNING_STEPS, ROOT
 
     train = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())["train"]
-    cfg = PPOConfig.from_dict({**train, "rollout_engine": "vllm", "progress": False})
+    cfg = TrainConfig.parse(train).updated(total_steps=LEARNING_STEPS, progress=False, rollout={"engine": "vllm"})
     records = run_local(tmp_path, cfg)
     first = np.mean([r["reward/mean"] for r in records[:5]])
     last = np.mean([r["reward/mean"] for r in records[-10:]])

@@ -59,7 +59,7 @@ class Checkpointed:
         if not getattr(getattr(self, "engine", None), "state_replicated", False):
             why = why or "its ranks hold shards of the state, not copies"
         if why and mode == "parallel":
-            raise RuntimeError(f"train.checkpoint_io: parallel, but role {self.role} cannot: {why}")
+            raise RuntimeError(f"train.checkpoint.io: parallel, but role {self.role} cannot: {why}")
         return why is None
 
     def _gather(self, mine, everywhere: bool) -> list | None:

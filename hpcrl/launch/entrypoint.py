@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from hpcrl.files import StorageError
-from hpcrl.spec import SpecError, load_spec
+from hpcrl.ppo.config import TrainConfig
+from hpcrl.jobspec import SpecError, load_spec
 from hpcrl.env_vars import EXIT_REQUEUE, JobEnv
 from hpcrl.run_dir import RunDir
 from hpcrl.stop import StopRequest
@@ -26,7 +27,6 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     """Train the run's spec; returns (the metrics records of this start, why it stopped early or None)."""
     import ray
 
-    from hpcrl.ppo.config import PPOConfig
     from hpcrl.ppo.loop import train
     from hpcrl.ppo.roles.custom import import_object
     from hpcrl.raycluster import connect, start_local
@@ -34,9 +34,8 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     paths = RunDir(Path(run_dir).resolve())
     spec = load_spec(paths.spec, run_dir=paths.root)
     if not spec.train:
-        raise SpecError(["train: empty; there is nothing to run (hpcrl/ppo/config.py lists the settings)"],
+        raise SpecError(["train: empty; there is nothing to run (the docs' reference/spec.md lists the settings)"],
                         str(paths.spec))
-    cfg = PPOConfig.from_dict(spec.train)
     own = {r: (role.worker, role.worker_args) for r, role in spec.roles.items() if role.worker}
     driver = import_object(spec.driver) if spec.driver else None
     if local:
@@ -45,7 +44,7 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
         connect(paths.root)
         _ask_for_satellites(paths)
     try:
-        return train(cfg, paths.root, stop=stop or StopRequest(cancel_file=paths.cancel),
+        return train(spec.train, paths.root, stop=stop or StopRequest(cancel_file=paths.cancel),
                      metrics=spec.metrics.model_dump(), own=own, driver=driver)
     finally:
         ray.shutdown()
@@ -68,21 +67,20 @@ def _ask_for_satellites(paths: RunDir) -> None:
         say(f"the satellites of hpcrl scale were not asked for again: {e}")
 
 
-def write_local_spec(run_dir: str | Path, train: dict, name: str = "local") -> Path:
+def write_local_spec(run_dir: str | Path, train: dict | TrainConfig, name: str = "local") -> Path:
     """RUN_DIR/spec.yaml for a run of these training settings on one local Ray node (`python -m
     hpcrl.launch RUN_DIR --local`): the roles they need, colocated ones in one component."""
-    from hpcrl.ppo.config import PPOConfig
     from hpcrl.slurm.sbatch import write_spec
 
-    cfg = PPOConfig.from_dict(train)
+    cfg = train if isinstance(train, TrainConfig) else TrainConfig.parse(train)
     roles: dict[str, dict] = {}
-    for group in cfg.colocate:
+    for group in cfg.layout.colocate:
         roles[group[0]] = {"partition": "local"}
         roles.update({r: {"same_nodes_as": group[0]} for r in group[1:]})
     for role in cfg.roles():
         roles.setdefault(role, {"partition": "local"})
     paths = RunDir(Path(run_dir).resolve())
-    write_spec(paths.root, {"name": name, "run_dir": str(paths.root), "roles": roles, "train": dict(train)})
+    write_spec(paths.root, {"name": name, "run_dir": str(paths.root), "roles": roles, "train": cfg.model_dump(mode="json", exclude_unset=True)})
     return paths.spec
 
 

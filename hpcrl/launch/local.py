@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpcrl.spec.load import load_spec, parse_spec
-from hpcrl.spec.models import JobSpec, SpecError
+from hpcrl.jobspec.load import configure, load_spec
+from hpcrl.jobspec.models import JobSpec, SpecError
 from hpcrl.launch import entrypoint
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.sbatch import write_spec
@@ -22,10 +22,10 @@ def run(spec: JobSpec | str | Path, *, overrides: list[str] | dict[str, Any] | N
     if not isinstance(spec, JobSpec):
         spec = load_spec(spec, run_dir=run_dir, overrides=overrides)
     elif run_dir is not None or overrides:
-        spec = parse_spec(spec.as_data(), spec._source or spec.name, run_dir, overrides)
-    source = spec._source or spec.name
+        spec = configure(spec, run_dir, overrides)
+    source = spec.source
     if not spec.train:
-        raise SpecError(["train: empty; there is nothing to run (hpcrl/ppo/config.py lists the settings)"], source)
+        raise SpecError(["train: empty; there is nothing to run (the docs' reference/spec.md lists the settings)"], source)
     paths = RunDir(spec.run_dir)
     if paths.metrics.exists() and not resume:
         raise SpecError([f"run_dir: {paths.root} already holds a run ({paths.metrics.name}); add --resume to continue "

@@ -11,7 +11,7 @@ rank is as good as an old one): the reward role (rule or model), the reference, 
 role (it takes the actor's weights at every step), and your own roles without `state_dict`. The
 actor and the critic cannot yet: their ranks train together (a new rank would need their parameters
 and optimizer state, and the world size decides how each batch is split); roles sharing processes
-(train.colocate) cannot either.
+(train.layout.colocate) cannot either.
 
 The targets are recorded in RUN_DIR/satellites.json: each start of the job ends its satellites, and
 the next start asks for them again (`reconcile`, run by the driver as it starts).
@@ -22,8 +22,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from hpcrl.spec import SpecError, load_spec
-from hpcrl.spec.models import JobSpec
+from hpcrl.jobspec import SpecError, load_spec
+from hpcrl.jobspec.models import JobSpec
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm import satellite
 from hpcrl.slurm.job import Gres, HetJob, parse_mem_mb, parse_time_minutes
@@ -46,17 +46,16 @@ def _spec(paths: RunDir) -> JobSpec:
 
 def elastic_problem(spec: JobSpec, role: str) -> str | None:
     """Why `role` of this spec cannot take or give nodes while it trains, or None."""
-    from hpcrl.ppo.config import PPOConfig
     from hpcrl.ppo.loop import worker_classes
 
     if role not in spec.roles:
         return f"no role {role!r} in the run (roles: {', '.join(spec.roles)})"
-    cfg = PPOConfig.from_dict(spec.train)
+    cfg = spec.train
     classes = worker_classes(cfg, {r: (x.worker, x.worker_args) for r, x in spec.roles.items() if x.worker})
     if role not in classes:
         return f"role {role} runs no workers in this training (it runs {', '.join(classes)})"
-    if any(role in group for group in cfg.colocate):
-        return f"role {role} shares its processes with others (train.colocate); only a role in processes of its own scales"
+    if any(role in group for group in cfg.layout.colocate):
+        return f"role {role} shares its processes with others (train.layout.colocate); only a role in processes of its own scales"
     if not getattr(classes[role], "elastic", False):
         return (f"role {role} cannot scale: its ranks train together, so a new rank would need their parameters and "
                 "optimizer state, and the world size decides how each batch is split; the roles that scale are "

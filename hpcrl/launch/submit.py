@@ -5,9 +5,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from hpcrl.spec.checks import problems_before_submit
-from hpcrl.spec.load import load_spec, parse_spec
-from hpcrl.spec.models import JobSpec, SpecError
+from hpcrl.jobspec.checks import problems_before_submit
+from hpcrl.jobspec.load import configure, load_spec
+from hpcrl.jobspec.models import JobSpec, SpecError
 from hpcrl.launch.submitit import training_function
 from hpcrl.slurm.cluster_info import ClusterInfo
 from hpcrl.slurm.job import HetJob
@@ -37,7 +37,7 @@ def submit(spec: JobSpec | str | Path, via: str = "sbatch", *, overrides: list[s
 
     spec: a JobSpec (`hpcrl.load_spec`) or the path of its YAML file, as the command takes it.
     via: "sbatch" (the rendered batch script) or "submitit" (the driver as a Checkpointable).
-    overrides: fields set by dotted path, ["train.actor_lr=1e-6"] or {"train.actor_lr": 1e-6}
+    overrides: fields set by dotted path, ["train.optim.actor_lr=1e-6"] or {"train.optim.actor_lr": 1e-6}
     (PATH=VALUE). run_dir: the run directory instead of the spec's (--run-dir). resume: continue the run already
     in it (--resume). wait: return once every component has ended (--wait). dry_run: return the
     batch script, nothing written (--dry-run). fn, args: run another function in component 0
@@ -45,7 +45,7 @@ def submit(spec: JobSpec | str | Path, via: str = "sbatch", *, overrides: list[s
     if not isinstance(spec, JobSpec):
         spec = load_spec(spec, run_dir=run_dir, overrides=overrides)
     elif run_dir is not None or overrides:
-        spec = parse_spec(spec.as_data(), spec._source or spec.name, run_dir, overrides)
+        spec = configure(spec, run_dir, overrides)
     job = checked_hetjob(spec)
     if dry_run:
         return render_hetjob(job)

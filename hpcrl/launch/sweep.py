@@ -1,6 +1,6 @@
 """`sweep(spec, axes)`: one hetjob per combination of values, every one checked before any is submitted.
 
-    hpcrl sweep SPEC train.actor_lr=1e-6,3e-6,1e-5 train.seed=1,2 [PATH=VALUE ...] [--max-running N]
+    hpcrl sweep SPEC train.optim.actor_lr=1e-6,3e-6,1e-5 train.seed=1,2 [PATH=VALUE ...] [--max-running N]
 
 Slurm job arrays cannot hold heterogeneous jobs, so each combination is a hetjob of its own, in
 SWEEP_DIR/<name>/ (SWEEP_DIR: run_dir, or the spec's), named by its values (`actor_lr-1e-6_seed-1`).
@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcrl.files import atomic_write_text
-from hpcrl.spec.checks import problems_before_submit
-from hpcrl.spec.load import parse_spec, read_spec_data
-from hpcrl.spec.overrides import OverrideError, parse_overrides, parse_sweep
-from hpcrl.spec.models import JobSpec, SpecError
+from hpcrl.jobspec.checks import problems_before_submit
+from hpcrl.jobspec.load import configure, parse_spec, read_spec_data
+from hpcrl.jobspec.overrides import OverrideError, parse_overrides, parse_sweep
+from hpcrl.jobspec.models import JobSpec, SpecError
 from hpcrl.launch.submit import hetjob_of
 from hpcrl.launch.submitit import training_function
 from hpcrl.run_dir import SweepDir
@@ -55,16 +55,14 @@ def sweep(spec: str | Path | JobSpec, axes: list[str] | dict[str, list], via: st
           say: Callable[[str], None] = lambda _: None) -> list[JobHandle] | list[tuple[str, dict]]:
     """`hpcrl sweep` from Python: submit one hetjob per combination of the axes' values.
 
-    spec: a spec file's path, or a JobSpec. axes: the command's words (["train.actor_lr=1e-6,3e-6",
+    spec: a spec file's path, or a JobSpec. axes: the command's words (["train.optim.actor_lr=1e-6,3e-6",
     "train.seed=1,2", "train.total_steps=40"]: a single value is an override of every run) or
     {path: [values]}. overrides: set in every run, as for `hpcrl submit`. run_dir: the sweep's
     folder (default the spec's run_dir). max_running: at most this many jobs at once (None: all).
     dry_run: check everything, submit nothing, return [(name, values)]. Returns the JobHandles in
     the order of the combinations. SpecError naming each bad combination, before any submission."""
-    if isinstance(spec, JobSpec):
-        data, source = spec.as_data(), spec._source or spec.name
-    else:
-        data, source = read_spec_data(spec), str(spec)
+    base = spec if isinstance(spec, JobSpec) else parse_spec(read_spec_data(spec), str(spec))
+    source = base.source
     try:
         fixed, grid = parse_sweep(axes) if isinstance(axes, list) else ({}, {
             p: [(json.dumps(v) if not isinstance(v, str) else v, v) for v in vs] for p, vs in axes.items()})
@@ -75,17 +73,14 @@ def sweep(spec: str | Path | JobSpec, axes: list[str] | dict[str, list], via: st
         raise SpecError(["a sweep needs an axis: PATH=VALUE,VALUE,... (e.g. train.seed=1,2)"], source)
     if max_running is not None and max_running < 1:
         raise SpecError([f"--max-running: {max_running}; at least 1 (or leave it out: all at once)"], source)
-    root = run_dir or (data.get("run_dir") if isinstance(data, dict) else None)
-    if not root:
-        raise SpecError(["run_dir: a sweep needs a folder for its runs: the spec's run_dir or --run-dir"], source)
-    where = SweepDir(Path(root).expanduser().resolve())
+    where = SweepDir(Path(run_dir or base.run_dir).expanduser().resolve())
     runs, problems, info = combinations(grid), [], ClusterInfo.live()
     if where.record.exists():
         problems.append(f"run_dir: {where.root} holds a sweep already ({where.record.name}); choose another --run-dir")
     checked = []
     for name, values in runs:
         try:
-            one = parse_spec(data, source, where.run(name), {**fixed, **values})
+            one = configure(base, where.run(name), {**fixed, **values})
             job = hetjob_of(one)
             problems += [f"{name}: {p}" for p in problems_before_submit(one, job, info)]
             check_run_dir(job.run_dir, resume=False)

@@ -1,32 +1,47 @@
-"""PPOConfig: the `train:` section of a job spec, one field per setting, each with what it does."""
+"""TrainConfig: the `train:` section of a job spec, typed and parsed once with the spec.
+
+The settings are grouped into sections (data, validation, reward, model, rollout, engine,
+algorithm, optim, checkpoint, layout); each section is a pydantic model whose field types carry the
+ranges (a setting out of range, NaN or infinite is refused by name) and whose validators check what
+concerns it alone. What spans sections is `TrainConfig.problems()`, in one place. Each field's
+docstring is its documentation: the reference (docs) and `hpcrl schema` are generated from it.
+
+The flat keys of earlier releases (`train.actor_lr`) are still read, moved to their section
+(`train.optim.actor_lr`) with a note naming the new key (`upgrade_flat_keys`).
+"""
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Annotated, ClassVar, Literal
+
+import typing
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
-class RolePlace(NamedTuple):
-    """Where the job spec puts a role: its hetjob component, its nodes and GPUs (all nodes), and the
-    spec field that gives them (`roles.<the component's first role>`), for messages."""
-    component: int
-    nodes: int
-    gpus: int
-    field: str
+def _one_line(value: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{value!r} holds control characters (a newline, a NUL), which no path can")
+    return value
 
 
-class Scorer(NamedTuple):
-    """One term of a sample's score (train.rewards): weight × role.method(batch)["scores"]."""
-    role: str
-    method: str = "compute_scores"
-    weight: float = 1.0
+PositiveInt = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+PathText = Annotated[str, AfterValidator(_one_line)]
+"""a file or folder: relative ones are taken from where the spec is loaded"""
+
+
+class Settings(BaseModel):
+    """A section of the training settings: unknown keys are errors, values are of their type as
+    YAML writes it (no "1" for 1, no 1.5 for an int), numbers finite, assignments checked."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, validate_assignment=True,
+                              use_attribute_docstrings=True, protected_namespaces=())
 
 
 class ConfigError(ValueError):
-    """Every problem of the training settings at once, each `train.<field>: what is wrong`."""
+    """Every problem of the training settings at once, each `train.<section>.<field>: what is wrong`."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
@@ -39,151 +54,165 @@ def spec_key(key) -> str:
     return str(key) if re.fullmatch(r"[A-Za-z0-9_+-]+", str(key)) else repr(key)
 
 
-@dataclass(frozen=True)
-class Range:
-    """The values a numeric setting may take, declared beside it (`number`): ge/gt its lowest value
-    (allowed / excluded), le/lt its highest, None for no bound; `off`: one value outside them that
-    turns the setting off. NaN and infinity are never in range."""
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    off: float | None = None
-
-    def __str__(self) -> str:
-        bounds = [f"{sign} {bound}" for sign, bound in (("≥", self.ge), (">", self.gt), ("≤", self.le), ("<", self.lt))
-                  if bound is not None]
-        allowed = " and ".join(bounds) or "finite"
-        return allowed if self.off is None else f"{allowed}, or {self.off} (off)"
-
-    def problem(self, name: str, value) -> str | None:
-        """Why `value` is not in this range (the setting named, and what it must be), or None."""
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{name}: {value} is not a finite number; it must be {self}"
-        outside = ((self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
-                   or (self.le is not None and value > self.le) or (self.lt is not None and value >= self.lt))
-        return f"{name}: {value} is out of range; it must be {self}" if outside and value != self.off else None
-
-
-FINITE = Range()
-"""any finite number: the range of a setting declared without `number`"""
-
-
-def number(default: float, **bounds):
-    """A numeric setting's default and its Range, e.g. `top_p: float = number(1.0, gt=0, le=1)`."""
-    return field(default=default, metadata={"range": Range(**bounds)})
-
-
-@dataclass
-class PPOConfig:
-    seed: int = number(1, ge=0)
-    """seeds the model's initial weights, the prompt order and every sampler"""
-    total_steps: int = number(150, ge=1)
-    """training steps; each is one batch of prompts: generate, score, advantages, updates"""
-
-    # --- data and task
-    dataset: str = ""
+class DataSettings(Settings):
+    """The training prompts."""
+    dataset: PathText = ""
     """training prompts, JSONL or Parquet: {"prompt": text | chat messages} or {"prompt_ids": [...]},
     verl's format as it is (data_source, prompt, reward_model.ground_truth, extra_info); every other
     field goes to the reward function (hpcrl/ppo/data.py). Empty: the built-in copy task writes
     RUN_DIR/prompts.jsonl"""
-    max_prompt_length: int = number(0, ge=0)
+    batch_size: PositiveInt = 64
+    """prompts per step"""
+    max_prompt_length: Count = 0
     """prompts longer than this many tokens are left out (counted in the log), never cut; 0: no limit"""
-    task_digits: int = number(2, ge=1)
+    task_digits: PositiveInt = 2
     """copy task: digits per prompt ("12=" must be answered "12")"""
-    task_prompts: int = number(4096, ge=1)
+    task_prompts: PositiveInt = 4096
     """copy task: distinct prompts generated"""
-    reward_fn: str = ""
+
+
+class ValidationSettings(Settings):
+    """Held-out prompts, scored with the training reward during training."""
+    dataset: PathText = ""
+    """held-out prompts, in the same formats as data.dataset; empty: no validation"""
+    every: Count = 0
+    """validate after every this many steps (and after the last); 0: only as before_train says"""
+    before_train: bool = False
+    """validate once before the first step (recorded as step 0 in metrics.jsonl)"""
+    samples: PositiveInt = 1
+    """responses per held-out prompt"""
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    """sampling temperature of validation; 0: greedy"""
+
+    @model_validator(mode="after")
+    def _needs_dataset(self):
+        if (self.every or self.before_train) and not self.dataset:
+            raise ValueError("dataset: missing; every / before_train validate on it (give a JSONL or Parquet file "
+                             "of held-out prompts)")
+        return self
+
+
+class Scorer(Settings):
+    """One term of a sample's score: weight × role.method(batch)["scores"]."""
+    role: Annotated[str, Field(min_length=1)]
+    """the role whose method scores: reward (the built-in one), or a role of your own (roles.<role>.worker)"""
+    method: str = "compute_scores"
+    """the role's @register method; it gets the generated batch and returns Batch({"scores": one float per sample})"""
+    weight: float = 1.0
+    """the term's weight in the sum"""
+
+    @field_validator("method")
+    @classmethod
+    def _method(cls, v):
+        if not v.isidentifier():
+            raise ValueError(f"{v!r} is not a method name")
+        return v
+
+
+class RewardSettings(Settings):
+    """How a response is scored."""
+    fn: str = ""
     """rule reward `module:function`, called as fn(prompt, response, **fields) -> float in the reward
     role. Empty: with a dataset, the built-in scorer of each sample's data_source (GSM8K, MATH,
     reasoning-gym…: hpcrl/ppo/verifiers.py); without one, the copy task's rule"""
-    reward_batched: bool = False
-    """reward_fn takes the whole batch: fn(prompts, responses, **fields as lists) -> a score per sample"""
-    reward_model_dir: str = ""
-    """a sequence-scoring HF model directory; when set it scores instead of reward_fn"""
-    missing_eos_penalty: float = number(0.0, ge=0)
+    batched: bool = False
+    """fn takes the whole batch: fn(prompts, responses, **fields as lists) -> a score per sample"""
+    model_dir: PathText = ""
+    """a sequence-scoring HF model directory; when set it scores instead of fn"""
+    missing_eos_penalty: Annotated[float, Field(ge=0)] = 0.0
     """subtracted from the score of a response that never emitted the stop token"""
-    rewards: list[dict] = field(default_factory=list)
+    scorers: list[Scorer] = Field(default_factory=list)
     """a sample's score as a weighted sum of roles' scores, e.g. [{role: reward}, {role: rule_engine,
-    method: compute_rule_score, weight: 0.5}]: `method` (default compute_scores) of the role (the
-    built-in reward, or one of your own: roles.<role>.worker) gets the generated batch and returns
-    Batch({"scores": one float per sample}); each is logged as score/<role>. Empty: the reward role
+    method: compute_rule_score, weight: 0.5}]; each is logged as score/<role>. Empty: the reward role
     alone, weight 1"""
 
-    # --- validation
-    val_dataset: str = ""
-    """held-out prompts, in the same formats as dataset; empty: no validation"""
-    val_every: int = number(0, ge=0)
-    """validate after every this many steps (and after the last); 0: only as val_before_train says"""
-    val_before_train: bool = False
-    """validate once before the first step (recorded as step 0 in metrics.jsonl)"""
-    val_samples: int = number(1, ge=1)
-    """responses per held-out prompt"""
-    val_temperature: float = number(0.0, ge=0)
-    """sampling temperature of validation; 0: greedy"""
+    @field_validator("scorers")
+    @classmethod
+    def _one_per_role(cls, v):
+        twice = sorted({s.role for s in v if [t.role for t in v].count(s.role) > 1})
+        if twice:
+            raise ValueError(f"roles {twice} are listed twice; one scoring method per role")
+        return v
 
-    # --- model
-    model_dir: str = ""
+    def terms(self) -> list[Scorer]:
+        """The scorers; the reward role alone when none are given."""
+        return list(self.scorers) or [Scorer(role="reward")]
+
+    def function(self, dataset: str) -> str:
+        """fn, or its default: each sample's data_source scorer with a dataset, the copy task's rule without."""
+        return self.fn or ("hpcrl.ppo.verifiers:by_data_source" if dataset else "hpcrl.ppo.tasks.copy_digits:score")
+
+
+class ModelSettings(Settings):
+    """The policy model, and where the critic starts."""
+    path: PathText = ""
     """an HF causal LM directory; empty: a tiny Qwen2 built from the sizes below into RUN_DIR/model"""
-    hidden_size: int = number(128, ge=1)
+    hidden_size: PositiveInt = 128
     """tiny model width (head_dim = hidden_size / heads must be ≥ 32)"""
-    layers: int = number(2, ge=1)
+    layers: PositiveInt = 2
     """tiny model depth"""
-    heads: int = number(4, ge=1)
+    heads: PositiveInt = 4
     """tiny model attention heads"""
-    critic_init: str = "actor"
+    critic_init: PathText = "actor"
     """"actor" (the policy's backbone, fresh value head) or a reward model directory"""
 
-    # --- rollout
-    batch_size: int = number(64, ge=1)
-    """prompts per step"""
-    n_samples: int = number(1, ge=1)
-    """responses per prompt (GRPO needs ≥ 2: the group to normalise against)"""
-    max_new_tokens: int = number(3, ge=1)
-    """longest response"""
-    temperature: float = number(1.0, gt=0)
-    """sampling temperature; the same temperature scales the actor's and reference's log-probs"""
-    top_p: float = number(1.0, gt=0, le=1)
-    """nucleus sampling"""
-    top_k: int = number(0, ge=0)
-    """top-k sampling (0: off)"""
-    rollout_engine: str = "torch"
+
+class RolloutSettings(Settings):
+    """Generation: the engine, sampling, and where and when it runs."""
+    engine: Literal["torch", "vllm"] = "torch"
     """"torch" (samples with the training module itself) or "vllm" (a vLLM engine in the rollout
     process; the actor's new weights are loaded into it in place after every update)"""
-    rollout_role: bool = False
+    own_role: bool = False
     """generate in a separate `rollout` role (its own nodes in the spec) instead of in actor_rollout;
-    the actor's weights travel to it through Ray's object store after every update"""
-    pipeline: str = "off"
-    """"off": each step generates, scores and trains in turn. "one_step_off": the rollout role
-    generates the batch of step k+1 (with the weights of step k−1) while step k is scored and
-    trained, and scores it (reward, reference) while step k still trains; needs rollout_role.
-    The PPO ratio still uses log-probs the actor recomputes before its update"""
-    max_staleness: int = number(1, ge=1)
-    """one_step_off: batches generated ahead of the step being trained, so a batch trains with
-    weights this many updates newer than the ones that sampled it"""
-    tis_cap: float = number(0.0, ge=0)
-    """> 0: truncated importance sampling (verl's TIS): each token's policy loss is weighted by
-    min(π_actor/π_rollout, tis_cap) of its old log-probs, which corrects for the sampler's weights
-    (or kernels) differing from the actor's; 0: off"""
-    rollout_tensor_parallel: int = number(1, ge=1)
+    the actor's weights travel to it after every update"""
+    n_samples: PositiveInt = 1
+    """responses per prompt (GRPO needs ≥ 2: the group to normalise against)"""
+    max_new_tokens: PositiveInt = 3
+    """longest response"""
+    temperature: Annotated[float, Field(gt=0)] = 1.0
+    """sampling temperature; the same temperature scales the actor's and reference's log-probs"""
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    """nucleus sampling"""
+    top_k: Count = 0
+    """top-k sampling (0: off)"""
+    tensor_parallel: PositiveInt = 1
     """vLLM tensor parallel size: GPUs per engine (CPU: 1)"""
-    rollout_gpu_memory: float = number(0.5, gt=0, le=1)
+    gpu_memory: Annotated[float, Field(gt=0, le=1)] = 0.5
     """vLLM: fraction of a GPU's memory for its weights and KV cache"""
-    rollout_max_model_len: int = number(0, ge=0)
+    max_model_len: Count = 0
     """vLLM: longest prompt + response (0: the model's max_position_embeddings)"""
-    cache_dir: str = ""
+    cache_dir: PathText = ""
     """compile caches and temp files of the rollout engine (vLLM, torch inductor); empty: RUN_DIR/cache.
     Runs that share one reuse each other's compiled kernels"""
+    pipeline: Literal["off", "one_step_off"] = "off"
+    """"off": each step generates, scores and trains in turn. "one_step_off": the rollout role
+    generates the batch of step k+1 (with the weights of step k−1) while step k is scored and
+    trained, and scores it (reward, reference) while step k still trains; needs own_role.
+    The PPO ratio still uses log-probs the actor recomputes before its update"""
+    max_staleness: PositiveInt = 1
+    """one_step_off: batches generated ahead of the step being trained, so a batch trains with
+    weights this many updates newer than the ones that sampled it"""
 
-    # --- training engine
-    train_engine: str = "torch"
+    @model_validator(mode="after")
+    def _combinations(self):
+        if self.tensor_parallel > 1 and self.engine != "vllm":
+            raise ValueError(f"tensor_parallel: {self.tensor_parallel} needs engine: vllm (or tensor_parallel: 1)")
+        if self.pipeline == "one_step_off" and not self.own_role:
+            raise ValueError("pipeline: one_step_off overlaps a separate rollout role with the trainers; set "
+                             "own_role: true (and give roles.rollout its nodes), or pipeline: off")
+        return self
+
+
+class EngineSettings(Settings):
+    """The training engine of the actor, critic and reference."""
+    backend: Literal["torch", "megatron"] = "torch"
     """"torch" (DDP on CPU, FSDP2 on GPUs) or "megatron" (megatron-core, GPU only: tensor and
-    pipeline parallelism, distributed optimizer) for the actor, critic and reference"""
-    tensor_parallel: int = number(1, ge=1)
+    pipeline parallelism, distributed optimizer)"""
+    tensor_parallel: PositiveInt = 1
     """megatron: GPUs that split each layer (must divide the heads, KV heads and FFN width)"""
-    pipeline_parallel: int = number(1, ge=1)
+    pipeline_parallel: PositiveInt = 1
     """megatron: stages the layers are split into (must divide the layer count)"""
-    precision: str = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     """"auto" (bf16 autocast on GPU, fp32 on CPU), "bf16" or "fp32" for the torch engine; megatron is bf16"""
     compile: bool = True
     """on GPUs, torch.compile the decoder layers of the torch engine (not under FSDP2) and of
@@ -192,300 +221,69 @@ class PPOConfig:
     role, once per kind of call: with or without gradients or padding). false: eager, e.g. for a
     model Inductor cannot compile"""
 
-    # --- advantages and KL
-    advantage: str = "gae"
+    @model_validator(mode="after")
+    def _megatron_only(self):
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) > 1 and self.backend != "megatron":
+                raise ValueError(f"{name}: {getattr(self, name)} needs backend: megatron (or {name}: 1)")
+        return self
+
+    @property
+    def model_parallel(self) -> int:
+        """GPUs that hold one copy of a model: tensor × pipeline parallel."""
+        return self.tensor_parallel * self.pipeline_parallel
+
+
+Estimator = Literal["k1", "k2", "k3"]
+
+
+class AlgorithmSettings(Settings):
+    """Advantages, KL and the losses (hpcrl/algo/ has each formula)."""
+    advantage: Literal["gae", "grpo"] = "gae"
     """"gae" (with the critic) or "grpo" (group-normalised scores, no critic)"""
-    gamma: float = number(1.0, ge=0, le=1)
+    gamma: Fraction = 1.0
     """discount"""
-    lam: float = number(0.95, ge=0, le=1)
+    lam: Fraction = 0.95
     """GAE λ"""
     whiten_advantages: bool = True
     """normalise GAE advantages over the batch's valid tokens"""
-    kl_coef: float = number(0.01, ge=0)
+    kl_coef: Annotated[float, Field(ge=0)] = 0.01
     """β: weight of KL(π‖π_ref)"""
     kl_in_reward: bool = True
     """put −β·KL in the token rewards"""
     kl_loss: bool = False
     """add β·KL to the actor's loss instead (both only when both are set)"""
-    kl_estimator: str = "k1"
+    kl_estimator: Estimator = "k1"
     """k1, k2 or k3 for the reward penalty"""
-    kl_loss_estimator: str = "k3"
+    kl_loss_estimator: Estimator = "k3"
     """k1, k2 or k3 for the loss term"""
-    kl_target: float = number(0.0, ge=0)
+    kl_target: Annotated[float, Field(ge=0)] = 0.0
     """> 0: adaptive β that steers KL to this value"""
-    kl_horizon: float = number(10000.0, gt=0)
+    kl_horizon: Annotated[float, Field(gt=0)] = 10000.0
     """adaptive β: samples over which β may change by ±20%"""
-
-    # --- optimisation
-    ppo_epochs: int = number(2, ge=1)
-    """passes over each step's batch"""
-    mini_batch_size: int = number(32, ge=1)
-    """samples per optimizer step (across the role's ranks)"""
-    micro_batch_size: int = number(32, ge=1)
-    """samples per forward/backward on one rank (gradient accumulation below mini_batch_size)"""
-    micro_batch_tokens: int = number(0, ge=0)
-    """> 0: a micro-batch also holds at most this many tokens (rows × (longest prompt + longest
-    response), the padding all its rows share cut away), so long and short samples neither run out of
-    memory nor compute on padding (torch engine)"""
-    actor_lr: float = number(1e-3, gt=0)
-    """actor AdamW learning rate"""
-    critic_lr: float = number(2e-3, gt=0)
-    """critic AdamW learning rate"""
-    warmup_steps: int = number(5, ge=0)
-    """optimizer steps of linear LR warm-up"""
-    weight_decay: float = number(0.0, ge=0)
-    """AdamW weight decay"""
-    grad_clip: float = number(1.0, gt=0)
-    """gradient norm clip"""
-    clip_low: float = number(0.2, gt=0, lt=1)
+    clip_low: Annotated[float, Field(gt=0, lt=1)] = 0.2
     """PPO ε below 1"""
-    clip_high: float = number(0.2, gt=0)
+    clip_high: Annotated[float, Field(gt=0)] = 0.2
     """PPO ε above 1 (raise it for DAPO's clip-higher)"""
-    dual_clip: float = number(0.0, gt=1, off=0)
+    dual_clip: Annotated[float, Field(ge=0)] = 0.0
     """> 1: dual-clip constant c for negative advantages (0: off)"""
-    vf_clip: float = number(0.5, ge=0)
+    vf_clip: Annotated[float, Field(ge=0)] = 0.5
     """value clip around the old values (0: off)"""
-    entropy_coef: float = number(0.01, ge=0)
+    entropy_coef: Annotated[float, Field(ge=0)] = 0.01
     """entropy bonus"""
-    loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum or seq-mean-token-mean"""
-    critic_warmup: int = number(0, ge=0)
-    """steps that train only the critic"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    """how token losses become the loss: the mean over all tokens, or over sequences of each one's sum or mean"""
+    tis_cap: Annotated[float, Field(ge=0)] = 0.0
+    """> 0: truncated importance sampling (verl's TIS): each token's policy loss is weighted by
+    min(π_actor/π_rollout, tis_cap) of its old log-probs, which corrects for the sampler's weights
+    (or kernels) differing from the actor's; 0: off"""
 
-    # --- checkpoints
-    save_every: int = number(0, ge=0)
-    """steps between checkpoints (0: only when stopped by a signal or the deadline, and at the end)"""
-    save_last: bool = True
-    """checkpoint after the last step (off for benchmarks that only time the steps)"""
-    keep_last: int = number(3, ge=0)
-    """committed steps kept (older ones are deleted once a newer one is committed)"""
-    keep_every: int = number(0, ge=0)
-    """also keep every step that is a multiple of this (0: none)"""
-    async_save: bool = False
-    """write the periodic checkpoints on a background thread while training goes on"""
-    checkpoint_io: str = "auto"
-    """how a data-parallel role of several ranks writes its file. parallel: all its ranks write one
-    file together (parallel HDF5; needs h5py built with MPI and a Slurm job to run the writers as a
-    step of); serial: rank 0 writes it; auto: parallel where possible, else serial"""
-
-    # --- layout and fault tolerance
-    colocate: list[list[str]] = field(default_factory=list)
-    """groups of roles that share one process per rank, e.g. [[actor_rollout, ref]]"""
-    processes_per_node: dict[str, int] = field(default_factory=dict)
-    """role -> processes per CPU node (a GPU node runs one per GPU)"""
-    standby: bool = False
-    """keep an idle process per rank so a dead rank is replaced without a process start"""
-    snapshot_every: int = number(1, ge=0)
-    """steps between snapshots of the training roles' state (weights, optimizer, RNG: what their
-    checkpoint holds) in host memory, in the object store of each role's rank 0 node. A role whose
-    process dies is rebuilt from its newer snapshot or committed checkpoint, and the updates made
-    since are made again: it goes on with exactly the state it had. 0: no snapshots (a rebuilt role
-    then replays every update since the newest checkpoint; the driver keeps their batches)"""
-    restart_limit: int = number(3, ge=0)
-    """rebuilds of one role allowed per hour before the run fails"""
-    progress: bool = True
-    """a progress bar on the console"""
-
-    PATHS = ("model_dir", "dataset", "val_dataset", "reward_model_dir", "critic_init", "cache_dir")
-    """Settings that name files or folders: taken relative to where the spec is loaded, as run_dir is
-    (the job's steps run in the run directory)."""
-
+    @field_validator("dual_clip")
     @classmethod
-    def resolve_paths(cls, data: dict, base: Path) -> dict:
-        """data with its path settings absolute (critic_init "actor" is not a path)."""
-        out = dict(data)
-        for name in cls.PATHS:
-            value = out.get(name)
-            if isinstance(value, str) and value and not (name == "critic_init" and value == "actor"):
-                out[name] = str((base / Path(value).expanduser()).resolve())
-        return out
-
-    def missing_paths(self) -> list[str]:
-        """The path settings that name nothing here (checked before submission: the login node sees
-        the shared filesystem the job will read them from)."""
-        problems = []
-        for name in self.PATHS:
-            value = getattr(self, name)
-            if value and not (name == "critic_init" and value == "actor") and name != "cache_dir" \
-                    and not Path(value).exists():
-                problems.append(f"train.{name}: {value} does not exist (a path on storage every node sees)")
-        return problems
-
-    @classmethod
-    def from_dict(cls, data: dict | None, where: str = "train") -> PPOConfig:
-        """Unknown or ill-typed settings are errors that name the field."""
-        data = dict(data or {})
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        problems = [f"{where}.{spec_key(k)}: unknown setting (known: {', '.join(known)})" for k in data
-                    if k not in known]
-        typed = {k: v for k, v in data.items() if k in known and _type_ok(v, known[k].type)}
-        problems += [f"{where}.{k}: expected {known[k].type}, got {v!r}" for k, v in data.items()
-                     if k in known and k not in typed]
-        cfg = cls(**typed)
-        problems += [f"{where}.{p}" for p in cfg.problems()]
-        if problems:
-            raise ConfigError(problems)
-        return cfg
-
-    def problems(self) -> list[str]:
-        # every setting by the range declared beside it; one without (text, a list, a number added
-        # without `number`) need only not be NaN or infinite
-        p = [problem for f in dataclasses.fields(self)
-             if (problem := f.metadata.get("range", FINITE).problem(f.name, getattr(self, f.name)))]
-        if not isinstance(self.processes_per_node, dict):
-            p.append(f"processes_per_node: {self.processes_per_node!r} is not a mapping of role to processes, "
-                     "e.g. {reward: 4}")
-        else:
-            p += [f"processes_per_node.{role}: {n!r} must be a whole number ≥ 1"
-                  for role, n in self.processes_per_node.items() if isinstance(n, bool) or not isinstance(n, int) or n < 1]
-        p += [f"{name}: {getattr(self, name)!r} holds control characters (a newline, a NUL), which no path can"
-              for name in self.PATHS if any(ord(c) < 32 or ord(c) == 127 for c in getattr(self, name))]
-        if not self.colocate_ok:
-            p.append(f"colocate: {self.colocate!r} is not a list of lists of role names, e.g. [[actor_rollout, ref]]")
-        p += self.rewards_problems()
-        if self.advantage not in ("gae", "grpo"):
-            p.append(f"advantage: {self.advantage!r} is not gae or grpo")
-        if self.rollout_engine not in ("torch", "vllm"):
-            p.append(f"rollout_engine: {self.rollout_engine!r} is not torch or vllm")
-        if self.rollout_tensor_parallel > 1 and self.rollout_engine != "vllm":
-            p.append(f"rollout_tensor_parallel: {self.rollout_tensor_parallel} needs rollout_engine: vllm "
-                     "(or rollout_tensor_parallel: 1)")
-        if self.pipeline not in ("off", "one_step_off"):
-            p.append(f"pipeline: {self.pipeline!r} is not off or one_step_off")
-        elif self.pipeline == "one_step_off" and not self.rollout_role:
-            p.append("pipeline: one_step_off overlaps a separate rollout role with the trainers; set "
-                     "rollout_role: true (and give roles.rollout its nodes), or pipeline: off")
-        elif self.pipeline == "one_step_off" and any("rollout" in g and "actor_rollout" in g for g in self.colocate
-                                                     if isinstance(g, list)):
-            p.append("pipeline: one_step_off, but colocate puts rollout in actor_rollout's processes, where the "
-                     "two cannot run at once; place rollout apart, or pipeline: off")
-        if self.train_engine not in ("torch", "megatron"):
-            p.append(f"train_engine: {self.train_engine!r} is not torch or megatron")
-        for name in ("tensor_parallel", "pipeline_parallel"):
-            if getattr(self, name) > 1 and self.train_engine != "megatron":
-                p.append(f"{name}: {getattr(self, name)} needs train_engine: megatron (or {name}: 1)")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            p.append(f"precision: {self.precision!r} is not auto, bf16 or fp32")
-        if self.checkpoint_io not in ("auto", "parallel", "serial"):
-            p.append(f"checkpoint_io: {self.checkpoint_io!r} is not auto, parallel or serial")
-        if self.advantage == "grpo" and self.n_samples < 2:
-            p.append("n_samples: GRPO needs ≥ 2 responses per prompt to normalise against")
-        for name in ("kl_estimator", "kl_loss_estimator"):
-            if getattr(self, name) not in ("k1", "k2", "k3"):
-                p.append(f"{name}: {getattr(self, name)!r} is not k1, k2 or k3")
-        if self.loss_agg_mode not in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-            p.append(f"loss_agg_mode: {self.loss_agg_mode!r} is not token-mean, seq-mean-token-sum or seq-mean-token-mean")
-        if self.mini_batch_size >= 1 and (self.batch_size * self.n_samples) % self.mini_batch_size:
-            p.append(f"mini_batch_size: {self.mini_batch_size} does not divide batch_size × n_samples = "
-                     f"{self.batch_size * self.n_samples}")
-        if self.micro_batch_size > self.mini_batch_size:
-            p.append(f"micro_batch_size: {self.micro_batch_size} is larger than mini_batch_size {self.mini_batch_size}")
-        if (self.val_every or self.val_before_train) and not self.val_dataset:
-            p.append("val_dataset: missing; val_every / val_before_train validate on it (give a JSONL or Parquet "
-                     "file of held-out prompts)")
-        if self.micro_batch_tokens and self.train_engine == "megatron":
-            p.append("micro_batch_tokens: needs train_engine: torch (megatron's pipeline sends micro-batches of "
-                     "one shape); set it to 0")
-        return p
-
-    def rewards_problems(self) -> list[str]:
-        if not isinstance(self.rewards, list):
-            return [f"rewards: {self.rewards!r} is not a list, e.g. [{{role: reward}}, {{role: rule_engine, "
-                    "method: compute_rule_score, weight: 0.5}]"]
-        p, seen = [], set()
-        for i, entry in enumerate(self.rewards):
-            where = f"rewards[{i}]"
-            if not isinstance(entry, dict):
-                p.append(f"{where}: {entry!r} is not a mapping like {{role: rule_engine, method: compute_rule_score, "
-                         "weight: 0.5}")
-                continue
-            p += [f"{where}.{spec_key(k)}: unknown key (known: role, method, weight)" for k in entry
-                  if k not in Scorer._fields]
-            role, method, weight = (entry.get(k, Scorer._field_defaults.get(k)) for k in Scorer._fields)
-            if not isinstance(role, str) or not role:
-                p.append(f"{where}.role: missing; name the role whose method scores (reward, or a role of your own)")
-            elif role in seen:
-                p.append(f"{where}.role: {role} is listed twice; one scoring method per role")
-            else:
-                seen.add(role)
-            if not isinstance(method, str) or not method.isidentifier():
-                p.append(f"{where}.method: {method!r} is not a method name")
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-                p.append(f"{where}.weight: {weight!r} is not a number")
-            elif problem := FINITE.problem(f"{where}.weight", weight):
-                p.append(problem)
-        return p
-
-    def scorers(self) -> list[Scorer]:
-        """train.rewards as Scorers; the reward role alone when it is empty."""
-        return [Scorer(**e) for e in self.rewards] or [Scorer("reward")]
-
-    def reward_function(self) -> str:
-        """reward_fn, or its default: each sample's data_source scorer with a dataset, the copy task's rule without."""
-        return self.reward_fn or ("hpcrl.ppo.verifiers:by_data_source" if self.dataset else
-                                  "hpcrl.ppo.tasks.copy_digits:score")
-
-    @property
-    def colocate_ok(self) -> bool:
-        return isinstance(self.colocate, list) and all(
-            isinstance(g, list) and g and all(isinstance(r, str) for r in g) for g in self.colocate)
-
-    def world_size(self, role: str, place: RolePlace) -> int:
-        """The data-parallel ranks of a role: one per GPU (per TP × PP group with megatron), else
-        processes_per_node per node."""
-        if place.gpus and self.train_engine == "megatron":
-            return max(1, place.gpus // (self.tensor_parallel * self.pipeline_parallel))
-        return place.gpus or place.nodes * self.processes_per_node.get(role, 1)
-
-    def placement_problems(self, places: dict[str, RolePlace], own: tuple[str, ...] = ()) -> list[str]:
-        """What these settings need of the spec's roles (`own`: those with a worker class of their
-        own): every role they run placed, the scorers among the reward role and your own, colocated
-        roles in one component, megatron's roles on GPUs that its TP × PP layout divides, a
-        mini-batch for every rank of a training role, vLLM's tensor parallelism on the GPUs of the
-        generating role."""
-        problems = [f"roles.{r}: missing; train needs it (advantage={self.advantage}, kl_coef={self.kl_coef}) — "
-                    f"give it resources or same_nodes_as: <role>" for r in self.roles() if r not in places]
-        problems += [f"train.rewards[{i}].role: {s.role} is not " + (
-                     f"a role that scores (the reward role, or one of your own with roles.{s.role}.worker)"
-                     if s.role in places else f"a role of this spec (roles: {', '.join(places)})")
-                     for i, s in enumerate(self.scorers()) if s.role != "reward" and s.role not in own]
-        for role in ("actor_rollout", "critic"):
-            if role in self.roles() and role in places and isinstance(self.processes_per_node, dict):
-                world = self.world_size(role, places[role])
-                if self.mini_batch_size % world:
-                    problems.append(f"train.mini_batch_size: {self.mini_batch_size} is not a multiple of the {world} "
-                                    f"ranks of role {role} ({places[role].field}); each rank takes an equal share")
-        generator = "rollout" if self.rollout_role else "actor_rollout"
-        if self.rollout_tensor_parallel > 1 and generator in places:
-            gpus = places[generator].gpus // max(1, places[generator].nodes)
-            if not gpus or gpus % self.rollout_tensor_parallel:
-                problems.append(f"train.rollout_tensor_parallel: {self.rollout_tensor_parallel} GPUs per vLLM engine, "
-                                f"but role {generator} has {gpus} GPUs per node ({places[generator].field}); it must "
-                                "divide them")
-        for k, group in enumerate(self.colocate if self.colocate_ok else []):
-            unknown = [r for r in group if r not in [*self.roles(), *own]]
-            if unknown:
-                problems.append(f"train.colocate[{k}]: {unknown} not among the roles this training runs "
-                                f"{[*self.roles(), *own]}")
-            elif len({places[r].component if r in places else None for r in group}) > 1:
-                problems.append(f"train.colocate[{k}]: {group} are in different Slurm components; colocated roles "
-                                f"need the same nodes (same_nodes_as: {group[0]})")
-        problems += [f"train.processes_per_node.{r}: not a role of this spec" for r in self.processes_per_node
-                     if r not in places]
-        if self.train_engine == "megatron":
-            need = self.tensor_parallel * self.pipeline_parallel
-            for r in ("actor_rollout", "critic", "ref"):
-                if r not in self.roles() or r not in places:
-                    continue
-                place = places[r]
-                if not place.gpus:
-                    problems.append(f"{place.field}: no GPUs, but train.train_engine: megatron runs role {r} on GPUs "
-                                    "(set gpus_per_node, or use train_engine: torch)")
-                elif place.gpus % need:
-                    problems.append(f"train.tensor_parallel: {self.tensor_parallel} × pipeline_parallel "
-                                    f"{self.pipeline_parallel} = {need} GPUs per model does not divide the "
-                                    f"{place.gpus} GPUs of role {r} ({place.field})")
-        return problems
+    def _dual_clip(cls, v):
+        if 0 < v <= 1:
+            raise ValueError(f"{v} is out of range; it must be > 1, or 0 (off)")
+        return v
 
     @property
     def uses_critic(self) -> bool:
@@ -495,15 +293,271 @@ class PPOConfig:
     def uses_ref(self) -> bool:
         return self.kl_coef > 0 and (self.kl_in_reward or self.kl_loss)
 
+
+class OptimSettings(Settings):
+    """The updates: epochs, batch sizes, the optimizers."""
+    ppo_epochs: PositiveInt = 2
+    """passes over each step's batch"""
+    mini_batch_size: PositiveInt = 32
+    """samples per optimizer step (across the role's ranks)"""
+    micro_batch_size: PositiveInt = 32
+    """samples per forward/backward on one rank (gradient accumulation below mini_batch_size)"""
+    micro_batch_tokens: Count = 0
+    """> 0: a micro-batch also holds at most this many tokens (rows × (longest prompt + longest
+    response), the padding all its rows share cut away), so long and short samples neither run out of
+    memory nor compute on padding (torch engine)"""
+    actor_lr: Annotated[float, Field(gt=0)] = 1e-3
+    """actor AdamW learning rate"""
+    critic_lr: Annotated[float, Field(gt=0)] = 2e-3
+    """critic AdamW learning rate"""
+    warmup_steps: Count = 5
+    """optimizer steps of linear LR warm-up"""
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    """AdamW weight decay"""
+    grad_clip: Annotated[float, Field(gt=0)] = 1.0
+    """gradient norm clip"""
+    critic_warmup: Count = 0
+    """steps that train only the critic"""
+
+    @model_validator(mode="after")
+    def _micro_in_mini(self):
+        if self.micro_batch_size > self.mini_batch_size:
+            raise ValueError(f"micro_batch_size: {self.micro_batch_size} is larger than mini_batch_size "
+                             f"{self.mini_batch_size}")
+        return self
+
+
+class CheckpointSettings(Settings):
+    """Committed checkpoints on shared storage, and snapshots in host memory."""
+    save_every: Count = 0
+    """steps between checkpoints (0: only when stopped by a signal or the deadline, and at the end)"""
+    save_last: bool = True
+    """checkpoint after the last step (off for benchmarks that only time the steps)"""
+    keep_last: Count = 3
+    """committed steps kept (older ones are deleted once a newer one is committed)"""
+    keep_every: Count = 0
+    """also keep every step that is a multiple of this (0: none)"""
+    async_save: bool = False
+    """write the periodic checkpoints on a background thread while training goes on"""
+    io: Literal["auto", "parallel", "serial"] = "auto"
+    """how a data-parallel role of several ranks writes its file. parallel: all its ranks write one
+    file together (parallel HDF5; needs h5py built with MPI and a Slurm job to run the writers as a
+    step of); serial: rank 0 writes it; auto: parallel where possible, else serial"""
+    snapshot_every: Count = 1
+    """steps between snapshots of the training roles' state (weights, optimizer, RNG: what their
+    checkpoint holds) in host memory, in the object store of each role's rank 0 node. A role whose
+    process dies is rebuilt from its newer snapshot or committed checkpoint, and the updates made
+    since are made again: it goes on with exactly the state it had. 0: no snapshots (a rebuilt role
+    then replays every update since the newest checkpoint; the driver keeps their batches)"""
+
+
+class LayoutSettings(Settings):
+    """Processes per role, colocation, and what happens when one dies."""
+    colocate: list[Annotated[list[str], Field(min_length=1)]] = Field(default_factory=list)
+    """groups of roles that share one process per rank, e.g. [[actor_rollout, ref]]"""
+    processes_per_node: dict[str, PositiveInt] = Field(default_factory=dict)
+    """role -> processes per CPU node (a GPU node runs one per GPU)"""
+    standby: bool = False
+    """keep an idle process per rank so a dead rank is replaced without a process start"""
+    restart_limit: Count = 3
+    """rebuilds of one role allowed per hour before the run fails"""
+
+
+class TrainConfig(Settings):
+    """The training settings (`train:` of a job spec)."""
+    seed: Count = 1
+    """seeds the model's initial weights, the prompt order and every sampler"""
+    total_steps: PositiveInt = 150
+    """training steps; each is one batch of prompts: generate, score, advantages, updates"""
+    progress: bool = True
+    """a progress bar on the console"""
+    data: DataSettings = Field(default_factory=DataSettings)
+    """the training prompts"""
+    validation: ValidationSettings = Field(default_factory=ValidationSettings)
+    """held-out prompts scored during training"""
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    """how a response is scored"""
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    """the policy model, and where the critic starts"""
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    """generation: engine, sampling, and where and when it runs"""
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    """the training engine of the actor, critic and reference"""
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings)
+    """advantages, KL and the losses"""
+    optim: OptimSettings = Field(default_factory=OptimSettings)
+    """the updates: epochs, batch sizes, optimizers"""
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
+    """committed checkpoints, and snapshots in host memory"""
+    layout: LayoutSettings = Field(default_factory=LayoutSettings)
+    """processes per role, colocation, restarts"""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_keys(cls, data):
+        """The flat keys of earlier releases, moved into their sections (where a spec is read, a note says so)."""
+        return upgrade_flat_keys(data)[0] if isinstance(data, dict) else data
+
+    PATHS: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("data", "dataset"), ("validation", "dataset"), ("reward", "model_dir"), ("model", "path"),
+        ("model", "critic_init"), ("rollout", "cache_dir"))
+    """Settings that name files or folders: taken relative to where the spec is loaded, as run_dir is
+    (the job's steps run in the run directory)."""
+
+    @classmethod
+    def parse(cls, data: dict | None, where: str = "train") -> TrainConfig:
+        """Settings from a mapping (sections, or the flat keys of earlier releases), with the
+        cross-section checks: a ConfigError lists every problem, each naming its field."""
+        try:
+            cfg = cls.model_validate(dict(data or {}))
+        except ValidationError as e:
+            raise ConfigError([problem(err, cls, where) for err in e.errors()]) from None
+        if cfg.problems():
+            raise ConfigError([f"{where}.{p}" for p in cfg.problems()])
+        return cfg
+
+    def updated(self, **changes) -> TrainConfig:
+        """A checked copy with `changes` set: sections by their fields (optim={"actor_lr": 1e-4}, the
+        section's other fields kept), settings by themselves (total_steps=10), or the flat keys of
+        earlier releases (actor_lr=1e-4)."""
+        data = self.model_dump(exclude_unset=True)
+        for key, value in upgrade_flat_keys(changes)[0].items():
+            data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+        return TrainConfig.model_validate(data)
+
+    def problems(self) -> list[str]:
+        """What spans sections (each section checks itself); every problem names one field."""
+        p = []
+        if self.algorithm.advantage == "grpo" and self.rollout.n_samples < 2:
+            p.append("rollout.n_samples: GRPO needs ≥ 2 responses per prompt to normalise against")
+        per_step = self.data.batch_size * self.rollout.n_samples
+        if per_step % self.optim.mini_batch_size:
+            p.append(f"optim.mini_batch_size: {self.optim.mini_batch_size} does not divide data.batch_size × "
+                     f"rollout.n_samples = {per_step}")
+        if self.rollout.pipeline == "one_step_off" and any("rollout" in g and "actor_rollout" in g
+                                                           for g in self.layout.colocate):
+            p.append("rollout.pipeline: one_step_off, but layout.colocate puts rollout in actor_rollout's processes, "
+                     "where the two cannot run at once; place rollout apart, or pipeline: off")
+        if self.optim.micro_batch_tokens and self.engine.backend == "megatron":
+            p.append("optim.micro_batch_tokens: needs engine.backend: torch (megatron's pipeline sends micro-batches "
+                     "of one shape); set it to 0")
+        return p
+
+    def with_paths_from(self, base: Path) -> TrainConfig:
+        """A copy with its path settings absolute, relative ones taken from `base` (critic_init "actor" is not a path)."""
+        out = self.model_copy(deep=True)
+        for section, name in self.PATHS:
+            value = getattr(getattr(out, section), name)
+            if value and not (name == "critic_init" and value == "actor"):
+                setattr(getattr(out, section), name, str((base / Path(value).expanduser()).resolve()))
+        return out
+
+    def missing_paths(self) -> list[str]:
+        """The path settings that name nothing here (checked before submission: the login node sees
+        the shared filesystem the job will read them from)."""
+        problems = []
+        for section, name in self.PATHS:
+            value = getattr(getattr(self, section), name)
+            if value and not (name == "critic_init" and value == "actor") and name != "cache_dir" \
+                    and not Path(value).exists():
+                problems.append(f"train.{section}.{name}: {value} does not exist (a path on storage every node sees)")
+        return problems
+
     def roles(self) -> list[str]:
         """The roles this configuration runs; the job spec must give each one resources."""
-        return ["actor_rollout"] + (["rollout"] if self.rollout_role else []) + (["critic"] if self.uses_critic else []) + (["ref"] if self.uses_ref else []) + ["reward"]
+        return ["actor_rollout"] + (["rollout"] if self.rollout.own_role else []) + \
+            (["critic"] if self.algorithm.uses_critic else []) + (["ref"] if self.algorithm.uses_ref else []) + ["reward"]
+
+    def reward_function(self) -> str:
+        return self.reward.function(self.data.dataset)
 
 
-def _type_ok(value, annotation: str) -> bool:
-    base = {"int": int, "float": (int, float), "str": str, "bool": bool}.get(annotation)
-    if base is None:
-        return True  # containers are checked where they are used
-    if annotation != "bool" and isinstance(value, bool):
-        return False
-    return isinstance(value, base)
+# --- the flat keys of earlier releases
+
+_RENAMED = {"dataset": "data.dataset", "val_dataset": "validation.dataset", "val_every": "validation.every",
+            "val_before_train": "validation.before_train", "val_samples": "validation.samples",
+            "val_temperature": "validation.temperature", "reward_fn": "reward.fn", "reward_batched": "reward.batched",
+            "reward_model_dir": "reward.model_dir", "rewards": "reward.scorers", "model_dir": "model.path",
+            "rollout_engine": "rollout.engine", "rollout_role": "rollout.own_role",
+            "rollout_tensor_parallel": "rollout.tensor_parallel", "rollout_gpu_memory": "rollout.gpu_memory",
+            "rollout_max_model_len": "rollout.max_model_len", "train_engine": "engine.backend",
+            "checkpoint_io": "checkpoint.io"}
+"""Flat keys whose name changed in their section; the others kept theirs (FLAT_KEYS)."""
+
+
+def _flat_keys() -> dict[str, str]:
+    out = {}
+    for section, info in TrainConfig.model_fields.items():
+        if isinstance(info.default_factory, type) and issubclass(info.default_factory, Settings):
+            out.update({name: f"{section}.{name}" for name in info.default_factory.model_fields})
+    out = {k: v for k, v in out.items() if v not in _RENAMED.values()}
+    return out | _RENAMED
+
+
+FLAT_KEYS = _flat_keys()
+"""flat key of earlier releases -> its path under train (`actor_lr` -> `optim.actor_lr`)"""
+
+
+def upgrade_flat_keys(data: dict) -> tuple[dict, list[str]]:
+    """`data` with every flat key moved into its section, and a note per key naming the new one; a
+    ValueError names a setting given both ways."""
+    out, notes = {k: (dict(v) if isinstance(v, dict) and k in TrainConfig.model_fields else v)
+                  for k, v in data.items() if k not in FLAT_KEYS or k in TrainConfig.model_fields}, []
+    for key, value in data.items():
+        if key not in FLAT_KEYS or key in TrainConfig.model_fields:
+            continue
+        section, name = FLAT_KEYS[key].split(".")
+        target = out.setdefault(section, {})
+        if not isinstance(target, dict):
+            continue                 # the section itself is ill-typed: the model names it
+        if name in target:
+            raise ValueError(f"{key}: given twice, as train.{key} and train.{section}.{name}; write only the latter")
+        target[name] = value
+        notes.append(f"train.{key}: now train.{section}.{name} (the flat key is read until hpcrl 0.3)")
+    return out, notes
+
+
+_BOUNDS = {"greater_than": ">", "greater_than_equal": "≥", "less_than": "<", "less_than_equal": "≤"}
+
+
+def model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model that holds the last key of `loc` (a path of field names, dict keys and list
+    indices from `root`), or None where the keys below are the user's own."""
+    model = root
+    for part in loc[:-1]:
+        if model is None:
+            return None
+        if isinstance(part, str) and part in model.model_fields:
+            model = _model_in(model.model_fields[part].annotation)
+    return model
+
+
+def _model_in(annotation) -> type[BaseModel] | None:
+    """The model a field's type holds, directly or in a list, dict or union (one level of keys)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, map(_model_in, typing.get_args(annotation))), None)
+
+
+def problem(err: dict, root: type[BaseModel], prefix: str = "") -> str:
+    """One pydantic error of `root` (at `prefix`) as a line of ours: the field's path, what is wrong,
+    and what it must be."""
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (p.startswith(("function-", "literal[", "lax-"))
+                                                                        or p in ("str", "int", "float", "bool"))))
+    path = ".".join(spec_key(p) for p in [*filter(None, [prefix]), *loc]) or "top level"
+    kind, given = err["type"], err.get("input")
+    if kind in _BOUNDS:
+        return f"{path}: {given!r} is out of range; it must be {_BOUNDS[kind]} {next(iter(err['ctx'].values())):g}"
+    if kind == "finite_number":
+        return f"{path}: {given!r} is not a finite number"
+    if kind == "extra_forbidden":
+        model = model_at(root, loc)
+        return f"{path}: unknown field (valid fields: {', '.join(model.model_fields) if model else '?'})"
+    if kind == "missing":
+        return f"{path}: required field is missing"
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error" and re.match(r"[a-z_]+: ", msg):      # a model's validator naming its field
+        return f"{path}.{msg}"
+    if "input" not in err or isinstance(given, dict) or repr(given) in msg:     # the parsers name it already
+        return f"{path}: {msg}"
+    return f"{path}: {msg} (got {given!r})"

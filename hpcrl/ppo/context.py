@@ -6,7 +6,7 @@ on it, and so is your own (`driver: mypkg.train:main` in the spec, called as mai
         start = resumed.step if resumed else 0
         for step in range(start + 1, ctx.cfg.total_steps + 1):
             gen = ctx.groups["actor_rollout"].generate_sequences.future(ctx.dataset.next_batch())
-            batch = ctx.scored(gen)                  # train.rewards, weighted: batch["scores"]
+            batch = ctx.scored(gen)                  # train.reward.scorers, weighted: batch["scores"]
             ...                                      # any calls of any role: ctx.groups[role].<method>
             ctx.log({"step": step, "reward/mean": float(batch["scores"].mean())})
             # checkpoints as train: asks, and on a signal (preemption, time limit) or the deadline
@@ -35,7 +35,7 @@ from hpcrl.controller.batch import Batch
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.observe.metrics import MetricsLog
 from hpcrl.observe.status import RunStatus
-from hpcrl.ppo.config import PPOConfig, Scorer
+from hpcrl.ppo.config import TrainConfig, Scorer
 from hpcrl.ppo.data import PromptDataset
 from hpcrl.ppo.validation import validate
 from hpcrl.run_dir import RunDir
@@ -53,7 +53,7 @@ class Resumed(NamedTuple):
 
 @dataclass
 class Score:
-    """One term of train.rewards on its role's WorkerGroup: `future(generated)` issues the scoring
+    """One term of train.reward.scorers on its role's WorkerGroup: `future(generated)` issues the scoring
     call; its result() is Batch({"score/<role>": the method's scores})."""
     scorer: Scorer
     group: WorkerGroup
@@ -69,7 +69,7 @@ class Score:
         role, method = self.scorer.role, self.scorer.method
         if not isinstance(result, Batch) or "scores" not in result:
             got = result.keys() if isinstance(result, Batch) else type(result).__name__
-            raise RuntimeError(f"train.rewards: {role}.{method} returned {got}; a scoring method returns "
+            raise RuntimeError(f"train.reward.scorers: {role}.{method} returned {got}; a scoring method returns "
                                "Batch({'scores': one float per sample})")
         return Batch({f"score/{role}": torch.as_tensor(result["scores"]).float()})
 
@@ -96,11 +96,11 @@ def weighted_scores(batch: Batch, scorers: list[Scorer]) -> torch.Tensor:
 class RunContext:
     """A run as a driver sees it, built by `hpcrl.ppo.loop.train` once the roles are up. Besides
     the fields: `tokenizer` (the policy's), `dataset` (the training prompts: `next_batch()`; its
-    cursor is in every checkpoint), `held_out` (val_dataset's, or None), `scores` (train.rewards on
+    cursor is in every checkpoint), `held_out` (validation.dataset's, or None), `scores` (train.reward.scorers on
     their roles), `checkpoints` (RoleCheckpoints: the roles' files and manifests), `generating` (a
     pipelined driver sets it: the steps whose batches are being generated ahead, which the
     `rebuild` event of a role names)."""
-    cfg: PPOConfig
+    cfg: TrainConfig
     """the train: settings (hpcrl/ppo/config.py)"""
     run_dir: Path
     """the run directory (RunDir names every path in it)"""
@@ -123,18 +123,19 @@ class RunContext:
     def __post_init__(self):
         cfg = self.cfg
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.dataset = PromptDataset(self.prompts, self.tokenizer, cfg.batch_size, cfg.seed, cfg.max_prompt_length)
-        self.held_out = PromptDataset(Path(cfg.val_dataset), self.tokenizer, cfg.batch_size, cfg.seed,
-                                      cfg.max_prompt_length) if cfg.val_dataset else None
+        self.dataset = PromptDataset(self.prompts, self.tokenizer, cfg.data.batch_size, cfg.seed,
+                                     cfg.data.max_prompt_length)
+        self.held_out = PromptDataset(Path(cfg.validation.dataset), self.tokenizer, cfg.data.batch_size, cfg.seed,
+                                      cfg.data.max_prompt_length) if cfg.validation.dataset else None
         for name, data in (("training", self.dataset), ("held-out", self.held_out)):
             if data is not None and data.too_long:
                 print(f"{now()} {data.too_long} of {data.too_long + len(data)} {name} prompts are longer than "
-                      f"max_prompt_length {cfg.max_prompt_length} tokens: left out", flush=True)
-        self.scores = [Score(s, self.groups[s.role]) for s in cfg.scorers()]
+                      f"max_prompt_length {cfg.data.max_prompt_length} tokens: left out", flush=True)
+        self.scores = [Score(s, self.groups[s.role]) for s in cfg.reward.terms()]
         # the rollout role holds a copy of the actor's weights: nothing of its own to save
-        self.checkpoints = RoleCheckpoints(CheckpointStore(self.run_dir, cfg.keep_last, cfg.keep_every),
+        self.checkpoints = RoleCheckpoints(CheckpointStore(self.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
                                            {r: g for r, g in self.groups.items() if r != "rollout"},
-                                           cfg.async_save, self._committed)
+                                           cfg.checkpoint.async_save, self._committed)
         self.generating: Callable[[], list[int]] = lambda: []
         for role, wg in self.groups.items():
             if role != "rollout":
@@ -144,12 +145,12 @@ class RunContext:
 
     def scored(self, generated) -> Batch:
         """The generated batch (a future of generate_sequences, or a Batch) with every term of
-        train.rewards (score/<role>) and their weighted sum (scores)."""
+        train.reward.scorers (score/<role>) and their weighted sum (scores)."""
         futures = [s.future(generated) for s in self.scores]
         batch = generated.result() if hasattr(generated, "result") else generated
         for f in futures:
             batch = batch.union(f.result())
-        batch["scores"] = weighted_scores(batch, self.cfg.scorers())
+        batch["scores"] = weighted_scores(batch, self.cfg.reward.terms())
         return batch
 
     def resume(self) -> Resumed | None:
@@ -190,7 +191,7 @@ class RunContext:
                    inflight: list = ()) -> None:
         """Every role's file, then the manifest with `state` (the driver's own, JSON), the data cursor
         and the metrics size; `inflight`: batches made ahead of `step` (kept bitwise). background:
-        write while training goes on (train.async_save), committed by the next checkpoint or the end."""
+        write while training goes on (train.checkpoint.async_save), committed by the next checkpoint or the end."""
         self.status.phase(step, "checkpoint")
         self.checkpoints.save(step, {"step": step, **(state or {}), "dataset": self.dataset.state_dict(),
                                      "metrics_bytes": self.metrics.size()}, background=background, inflight=inflight)
@@ -203,15 +204,16 @@ class RunContext:
         why to stop now (return it from the driver), or None. `inflight()`: the batches made ahead
         of `step`, collected only when a checkpoint is taken."""
         cfg, reason = self.cfg, self.stop.check()
-        saved = reason or (step == cfg.total_steps and cfg.save_last) or (cfg.save_every and step % cfg.save_every == 0)
+        every = cfg.checkpoint.save_every
+        saved = reason or (step == cfg.total_steps and cfg.checkpoint.save_last) or (every and step % every == 0)
         background = not reason and step < cfg.total_steps
         if saved:
             self.checkpoint(step, state, background=background, inflight=inflight())
         if reason:
             return self.stopped(step, reason)
         # a committed file is a rebuilt role's way back as well: no snapshot of the same step beside it
-        if cfg.snapshot_every and step % cfg.snapshot_every == 0 and step < cfg.total_steps and \
-                not (saved and not (background and cfg.async_save)):
+        if cfg.checkpoint.snapshot_every and step % cfg.checkpoint.snapshot_every == 0 and step < cfg.total_steps and \
+                not (saved and not (background and cfg.checkpoint.async_save)):
             t0 = time.perf_counter()
             self.status.snapshotted(step, self.checkpoints.take_snapshots(step), time.perf_counter() - t0)
         self.follow_nodes()

@@ -6,7 +6,7 @@ Per step:
                   ├─► ref.compute_ref_log_prob          } issued at once, on their own
                   ├─► critic.compute_values             } processes and nodes; the batch goes
                   └─► reward.compute_scores             } rank to rank, not via the driver
-                      (and every term of train.rewards: your own roles' scoring methods, weighted)
+                      (and every term of train.reward.scorers: your own roles' scoring methods, weighted)
     advantages on the driver (KL-shaped token rewards, GAE or GRPO)
     critic.update_critic ─► actor_rollout.update_actor (after critic_warmup) ─► weights to rollout
     every val_every steps: the held-out prompts answered and scored (hpcrl/ppo/validation.py)
@@ -31,11 +31,9 @@ batch script runs), through submitit, or locally (`hpcrl run SPEC --local`).
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 import traceback
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,62 +49,65 @@ from hpcrl.files import StorageError, storage_failure
 from hpcrl.models import CharTokenizer, create_model_dir
 from hpcrl.observe.metrics import MetricsLog
 from hpcrl.observe.status import RunStatus
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.context import Driver, RunContext, now, weighted_scores
+from hpcrl.ppo.generation import Lookahead, WeightSync
 from hpcrl.ppo.roles import ActorRollout, Critic, Reference, RewardModel, Rollout, RuleReward
 from hpcrl.ppo.roles.custom import checkpointed, worker_class
+from hpcrl.ppo.step_metrics import step_record
 from hpcrl.ppo.tasks import copy_digits as copy_task
 from hpcrl.run_dir import RunDir
 from hpcrl.stop import StopRequest
 
 
-def prepare_inputs(cfg: PPOConfig, run_dir: Path) -> tuple[Path, Path]:
+def prepare_inputs(cfg: TrainConfig, run_dir: Path) -> tuple[Path, Path]:
     """The model and prompts every role reads: given by the config, or built once into the run dir."""
     tok, paths = CharTokenizer(copy_task.ALPHABET), RunDir(run_dir)
-    model_dir = Path(cfg.model_dir) if cfg.model_dir else create_model_dir(
-        paths.model, tok, cfg.seed, hidden_size=cfg.hidden_size, layers=cfg.layers, heads=cfg.heads)
-    prompts = Path(cfg.dataset) if cfg.dataset else paths.prompts
-    if not cfg.dataset and not prompts.exists():
-        copy_task.write_prompts(prompts, cfg.task_prompts, cfg.task_digits, cfg.seed)
+    model_dir = Path(cfg.model.path) if cfg.model.path else create_model_dir(
+        paths.model, tok, cfg.seed, hidden_size=cfg.model.hidden_size, layers=cfg.model.layers, heads=cfg.model.heads)
+    prompts = Path(cfg.data.dataset) if cfg.data.dataset else paths.prompts
+    if not cfg.data.dataset and not prompts.exists():
+        copy_task.write_prompts(prompts, cfg.data.task_prompts, cfg.data.task_digits, cfg.seed)
     return model_dir, prompts
 
 
-def worker_classes(cfg: PPOConfig, own: dict[str, tuple[str, dict]] | None = None) -> dict[str, type]:
+def worker_classes(cfg: TrainConfig, own: dict[str, tuple[str, dict]] | None = None) -> dict[str, type]:
     """Role -> its worker class: the built-in roles cfg runs, then your own (`own`: role ->
     (worker class path, its __init__ keyword arguments), checked)."""
     builtin = {"actor_rollout": ActorRollout, "rollout": Rollout, "critic": Critic, "ref": Reference,
-               "reward": RewardModel if cfg.reward_model_dir else RuleReward}
+               "reward": RewardModel if cfg.reward.model_dir else RuleReward}
     return {**{r: c for r, c in builtin.items() if r in cfg.roles()},
             **{r: checkpointed(worker_class(path, kwargs)) for r, (path, kwargs) in (own or {}).items()}}
 
 
-def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path,
+def build_worker_groups(cfg: TrainConfig, model_dir: Path, run_dir: Path,
                         own: dict[str, tuple[str, dict]] | None = None) -> dict[str, WorkerGroup]:
     """One WorkerGroup per role, on the nodes labelled with that role; colocated roles share
     processes. `own`: your own roles, role -> (worker class path, its __init__ keyword arguments)."""
     paths = RunDir(run_dir)
-    conf = dataclasses.asdict(cfg) | {"cache_dir": str(Path(cfg.cache_dir or paths.cache).absolute())}
+    conf = cfg.model_copy(deep=True)      # what the roles get: the run's cache unless the spec names one
+    conf.rollout.cache_dir = str(Path(cfg.rollout.cache_dir or paths.cache).absolute())
     builtin_args = {"actor_rollout": (str(model_dir), conf), "rollout": (str(model_dir), conf),
                     "critic": (str(model_dir), conf), "ref": (str(model_dir), conf),
-                    "reward": (cfg.reward_model_dir,) if cfg.reward_model_dir else
-                    (str(model_dir), cfg.reward_function(), cfg.reward_batched)}
+                    "reward": (cfg.reward.model_dir,) if cfg.reward.model_dir else
+                    (str(model_dir), cfg.reward_function(), cfg.reward.batched)}
     own = own or {}
     workers = {r: (cls, () if r in own else builtin_args[r], dict(own[r][1]) if r in own else {})
                for r, cls in worker_classes(cfg, own).items()}
-    opts = {"log_dir": paths.logs, "restart_limit": cfg.restart_limit, "standby": cfg.standby}
+    opts = {"log_dir": paths.logs, "restart_limit": cfg.layout.restart_limit, "standby": cfg.layout.standby}
 
     def colocated(together: list[str]) -> dict[str, WorkerGroup]:
-        pool = ResourcePool.for_role(together[0], cfg.processes_per_node.get(together[0]), len(together))
+        pool = ResourcePool.for_role(together[0], cfg.layout.processes_per_node.get(together[0]), len(together))
         return WorkerGroup.colocated(pool, {r: workers[r] for r in together}, **opts)
 
     def alone(role: str) -> dict[str, WorkerGroup]:
         cls, args, kwargs = workers[role]
-        return {role: WorkerGroup(ResourcePool.for_role(role, cfg.processes_per_node.get(role)), cls, args, kwargs, **opts)}
+        return {role: WorkerGroup(ResourcePool.for_role(role, cfg.layout.processes_per_node.get(role)), cls, args, kwargs, **opts)}
 
     # every group at once: each start (process, torch import, model load) takes seconds, and the
     # groups are on different nodes
-    together = {r for group in cfg.colocate for r in group}
-    starts = [lambda g=g: colocated(g) for g in cfg.colocate] + [lambda r=r: alone(r) for r in workers if r not in together]
+    together = {r for group in cfg.layout.colocate for r in group}
+    starts = [lambda g=g: colocated(g) for g in cfg.layout.colocate] + [lambda r=r: alone(r) for r in workers if r not in together]
     groups: dict[str, WorkerGroup] = {}
     with ThreadPoolExecutor(len(starts), thread_name_prefix="hpcrl-start") as threads:
         for built in [threads.submit(start) for start in starts]:
@@ -114,18 +115,18 @@ def build_worker_groups(cfg: PPOConfig, model_dir: Path, run_dir: Path,
     return {r: groups[r] for r in workers}     # in role order, whatever finished first
 
 
-def compute_advantages(batch: Batch, cfg: PPOConfig, kl_ctl) -> dict:
+def compute_advantages(batch: Batch, cfg: TrainConfig, kl_ctl) -> dict:
     """Adds token_rewards, advantages, returns to batch; returns the KL metrics."""
     mask = batch["response_mask"].float()
-    scores = batch["scores"].float() - cfg.missing_eos_penalty * (~batch["has_eos"]).float()
+    scores = batch["scores"].float() - cfg.reward.missing_eos_penalty * (~batch["has_eos"]).float()
     kl = None
-    if cfg.uses_ref:
-        kl = algo.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], cfg.kl_estimator) * mask
-    beta = kl_ctl.value if cfg.kl_in_reward else 0.0
+    if cfg.algorithm.uses_ref:
+        kl = algo.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], cfg.algorithm.kl_estimator) * mask
+    beta = kl_ctl.value if cfg.algorithm.kl_in_reward else 0.0
     rewards = algo.token_level_rewards(scores, kl, mask, beta)
-    if cfg.advantage == "gae":
-        adv, ret = algo.gae(rewards, batch["values"], mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
+    if cfg.algorithm.advantage == "gae":
+        adv, ret = algo.gae(rewards, batch["values"], mask, cfg.algorithm.gamma, cfg.algorithm.lam)
+        if cfg.algorithm.whiten_advantages:
             adv = algo.masked_whiten(adv, mask)
     else:
         adv = algo.grpo_advantages(rewards.sum(dim=1), torch.as_tensor(batch["group"].astype(np.int64)), mask)
@@ -133,7 +134,7 @@ def compute_advantages(batch: Batch, cfg: PPOConfig, kl_ctl) -> dict:
     batch["token_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
     current_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
     kl_ctl.update(current_kl, len(batch))
-    return {"kl": current_kl, "kl_coef": beta if cfg.kl_in_reward else cfg.kl_coef}
+    return {"kl": current_kl, "kl_coef": beta if cfg.algorithm.kl_in_reward else cfg.algorithm.kl_coef}
 
 
 def pad_for_ranks(batch: Batch, world_size: int) -> Batch:
@@ -145,28 +146,6 @@ def pad_for_ranks(batch: Batch, world_size: int) -> Batch:
         mask[padding.size:] = 0
         padded["response_mask"] = mask
     return padded
-
-
-def explained_variance(values, returns, mask) -> float:
-    m = mask.bool()
-    var = torch.var(returns[m])
-    return float(1 - torch.var(returns[m] - values[m]) / var) if var > 0 else float("nan")
-
-
-@dataclasses.dataclass
-class _Generation:
-    """One step's batch in the making: its generation (a future until collected, or a Batch read
-    back from a checkpoint) and the scores issued on it as soon as it was generated."""
-    step: int
-    generated: object             # GroupFuture or Batch
-    scored: list                  # GroupFutures of weight-free roles on it
-
-    def collect(self) -> Batch:
-        batch = self.generated if isinstance(self.generated, Batch) else self.generated.result()
-        for f in self.scored:
-            batch = batch.union(f.result())
-        self.generated, self.scored = batch, []
-        return batch
 
 
 class _Timer:
@@ -184,7 +163,7 @@ class _Timer:
         self.times[f"timing/{phase}"] = round(time.perf_counter() - t0, 4)
 
 
-def train(cfg: PPOConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
+def train(cfg: TrainConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
           stop: StopRequest | None = None, metrics: dict | None = None, own: dict[str, tuple[str, dict]] | None = None,
           driver: Driver | None = None) -> tuple[list[dict], str | None]:
     """Train to cfg.total_steps with `driver` (the built-in PPO loop, `ppo`, when None), resuming
@@ -237,149 +216,90 @@ def failure(e: BaseException) -> dict:
 
 
 def ppo(ctx: RunContext) -> str | None:
-    """The built-in loop (PPO with GAE, or GRPO), sequential or pipelined as cfg.pipeline says; a
-    driver of your own starts as a copy of it."""
-    cfg, groups, status, dataset = ctx.cfg, ctx.groups, ctx.status, ctx.dataset
-    actor, critic, ref = (groups.get(r) for r in ("actor_rollout", "critic", "ref"))
-    rollout = groups.get("rollout")
-    pipelined = cfg.pipeline == "one_step_off"
-    lead = cfg.max_staleness if pipelined else 0      # batches generated ahead of the one in training
-    version = 0                                       # the step whose actor update made the current weights
-
-    sampling = rollout.sampling_dtype() if rollout else None
-    # where the rollout's ranks run: on the GPU of the actor's rank 0 the weights stay on the device.
-    # Asked again only when the rollout is rebuilt or resized: asked at every sync, it would wait
-    # behind the generation in flight on the rollout's processes (pipelined steps)
-    rollout_at = rollout.placement() if rollout else None
-
-    def sync_weights():
-        """The actor's weights (of step `version`) to the generating engine: a future when that is
-        the rollout role (its next generation waits behind it on the role's processes)."""
-        if rollout:
-            return rollout.load_weights.future(actor.export_weights.future(sampling, rollout_at), version)
-        actor.sync_rollout_weights(version)
-        return None
-
-    def resync() -> None:
-        nonlocal rollout_at
-        if rollout:
-            rollout_at = rollout.placement()     # a rebuilt or resized rollout may run elsewhere
-        pending = sync_weights()
-        if pending is not None:
-            pending.result()
-
-    kl_ctl = (algo.AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon) if cfg.kl_target
-              else algo.FixedKLController(cfg.kl_coef))
+    """The built-in loop (PPO with GAE, or GRPO), sequential or pipelined as cfg.rollout.pipeline
+    says; a driver of your own starts as a copy of it."""
+    cfg, groups, status = ctx.cfg, ctx.groups, ctx.status
+    actor, critic, ref, rollout = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "rollout"))
+    pipelined = cfg.rollout.pipeline == "one_step_off"
+    algorithm = cfg.algorithm
+    kl_ctl = (algo.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
+              if algorithm.kl_target else algo.FixedKLController(algorithm.kl_coef))
+    weights = WeightSync(actor, rollout)
     for wg in (rollout, actor) if rollout else (actor,):   # after a rebuild (and the actor's restore): the weights
-        wg.on_restart(resync)
+        wg.on_restart(weights.resend)
 
     # scoring that needs no trained weights: pipelined, it runs as soon as a batch is generated,
     # while the step before still trains, unless it shares a trainer's processes (it would hold them up)
     weight_free = [*ctx.scores] + ([ref.compute_ref_log_prob] if ref else [])
     early = [m for m in weight_free if pipelined and not any(m.wg.shares_processes_with(t) for t in (actor, critic) if t)]
     late = [m for m in weight_free if m not in early] + [actor.compute_log_prob] + ([critic.compute_values] if critic else [])
-    ahead: deque[_Generation] = deque()
+    lookahead = Lookahead(ctx.dataset, rollout or actor, early, cfg.rollout.n_samples,
+                          cfg.rollout.max_staleness if pipelined else 0, cfg.total_steps)
+    ctx.generating = lookahead.steps     # said when a role is rebuilt meanwhile
 
-    def generate(step: int) -> _Generation:
-        prompts = dataset.next_batch()
-        if cfg.n_samples > 1:
-            prompts = prompts.repeat(cfg.n_samples)
-            prompts["group"] = np.repeat(np.arange(cfg.batch_size), cfg.n_samples)
-        prompts.meta["step"] = step
-        generated = (rollout or actor).generate_sequences.future(prompts)
-        return _Generation(step, generated, [m.future(generated) for m in early])
-
-    ctx.generating = lambda: [b.step for b in ahead]     # said when a role is rebuilt meanwhile
     start = 0
-    resumed = ctx.resume()
-    if resumed:
+    if resumed := ctx.resume():
         start = resumed.step
         kl_ctl.value = resumed.state["kl_coef"]
-        version = resumed.state.get("policy_version", start if start > cfg.critic_warmup else 0)
-        ahead.extend(_Generation(b.meta["step"], b, []) for b in resumed.inflight)
-        resync()
-    if ctx.held_out is not None and cfg.val_before_train and start == 0:
+        weights.version = resumed.state.get("policy_version", start if start > cfg.optim.critic_warmup else 0)
+        lookahead.resume(start, resumed.inflight)
+        weights.resend()
+    if ctx.held_out is not None and cfg.validation.before_train and start == 0:
         status.phase(0, "validate")
         ctx.log({"step": 0, "time": round(time.time(), 3), **ctx.validate(0)})
     bar = _progress(cfg, start)
-    issued, pending_sync = start + len(ahead), None
     for step in range(start + 1, cfg.total_steps + 1):
         timer, t_step = _Timer(status, step), time.perf_counter()
 
-        # 1. this step's batch, and the next `lead` ones started first, so the rollout never waits;
-        # then everything that reads the batch, issued together as futures
-        while issued < min(step + lead, cfg.total_steps):
-            issued += 1
-            ahead.append(generate(issued))
-        current = ahead.popleft()
-        source = current.generated          # the future, so the batch goes rank to rank
+        # 1. this step's batch (the next ones issued first), then everything that reads it, issued
+        # together as futures: the batch goes rank to rank, not through the driver
+        current = lookahead.take(step)
+        source = current.generated
         with timer("generate"):
             batch = current.collect()
-            if pending_sync is not None:    # the weights sent after the last update are in
-                pending_sync.result()
-                pending_sync = None
+            weights.arrived()               # the weights sent after the last update are in
         with timer("score"):
             for f in [m.future(source) for m in late]:
                 batch = batch.union(f.result())
-            batch["scores"] = weighted_scores(batch, cfg.scorers())
+            batch["scores"] = weighted_scores(batch, cfg.reward.terms())
 
         # 2. advantages, on the driver
         with timer("advantage"):
             kl_metrics = compute_advantages(batch, cfg, kl_ctl)
 
-        # 3. updates: critic first, then actor, then the new weights to the rollout engine (one after
-        # the other: at once they would contend for the cores of a shared host)
-        trained_with, critic_stats, actor_stats = version, {}, {}
+        # 3. updates: critic first, then actor, then the new weights to the generating engine (one
+        # after the other: at once they would contend for the cores of a shared host)
+        trained_with, critic_stats, actor_stats = weights.version, {}, {}
         if critic:
             with timer("update_critic"):
                 critic_stats = critic.update_critic(pad_for_ranks(batch, critic.world_size))[0]
-        if step > cfg.critic_warmup:
+        if step > cfg.optim.critic_warmup:
             with timer("update_actor"):
                 actor_stats = actor.update_actor(pad_for_ranks(batch, actor.world_size))[0]
-            version = step
             with timer("sync_weights"):
-                pending_sync = sync_weights()
-                if pending_sync is not None and not pipelined:
-                    pending_sync.result()
-                    pending_sync = None
+                weights.send(step, wait=not pipelined)
 
-        mask, lengths = batch["response_mask"], batch["response_mask"].sum(dim=1).float()
         train_s = time.perf_counter() - t_step
-        tokens = int(mask.sum() + batch["prompt_mask"].sum())
         val_scores = {}
-        if ctx.held_out is not None and cfg.val_every and (step % cfg.val_every == 0 or step == cfg.total_steps):
+        if ctx.held_out is not None and cfg.validation.every and (step % cfg.validation.every == 0
+                                                                  or step == cfg.total_steps):
             with timer("validate"):
                 val_scores = ctx.validate(step)
-        step_s = time.perf_counter() - t_step
-        record = {"step": step, "time": round(time.time(), 3),
-                  "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
-                  **({f"score/{s.role}": float(batch[f"score/{s.role}"].mean()) for s in cfg.scorers()}
-                     if len(cfg.scorers()) > 1 else {}),     # the terms of train.rewards
-                  **kl_metrics,
-                  "actor/pg_loss": actor_stats.get("pg_loss"), "actor/clipfrac": actor_stats.get("clipfrac"),
-                  "actor/entropy": float(algo.masked_mean(batch["entropy"], mask)),
-                  "actor/approx_kl": actor_stats.get("approx_kl"), "actor/grad_norm": actor_stats.get("grad_norm"),
-                  "critic/vf_loss": critic_stats.get("vf_loss"),
-                  "critic/vf_explained_var": explained_variance(batch["values"], batch["returns"], mask) if critic else None,
-                  "policy/version": batch.meta.get("policy_version", 0),
-                  "policy/lag": trained_with - batch.meta.get("policy_version", 0),
-                  "rollout/log_prob_diff": float(algo.masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
-                                                                  mask)) if "rollout_log_probs" in batch else None,
-                  "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-                  "response_length/clip_ratio": float((~batch["has_eos"]).float().mean()), **val_scores,
-                  **timer.times, "timing/step": round(step_s, 4), "throughput/tokens_per_s": round(tokens / train_s, 1)}
+        record = step_record(step, batch, [s.role for s in cfg.reward.terms()], kl_metrics, actor_stats,
+                             critic_stats if critic else None, trained_with, timer.times,
+                             time.perf_counter() - t_step, train_s, val_scores)
         ctx.log(record)
         bar(record)
 
         # 4. checkpoint: periodically, at the end, and when asked to stop (then stop); with the
         # batches generated ahead, which a resumed run could not make again
-        if reason := ctx.end_step(step, {"kl_coef": kl_ctl.value, "policy_version": version},
-                                  inflight=lambda: [b.collect() for b in ahead]):
+        if reason := ctx.end_step(step, {"kl_coef": kl_ctl.value, "policy_version": weights.version},
+                                  inflight=lookahead.collect):
             return reason
     return None
 
 
-def _progress(cfg: PPOConfig, start: int = 0):
+def _progress(cfg: TrainConfig, start: int = 0):
     """A live tqdm bar on a terminal; in a file (the Slurm output), one dated line per step."""
     if not cfg.progress:
         return lambda record: None

@@ -11,16 +11,16 @@ from collections import defaultdict
 
 import numpy as np
 
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.data import PromptDataset
 
 
-def validate(cfg: PPOConfig, held_out: PromptDataset, generate, reward, step: int) -> dict[str, float]:
+def validate(cfg: TrainConfig, held_out: PromptDataset, generate, reward, step: int) -> dict[str, float]:
     """`generate`: the WorkerGroup that samples (actor_rollout or rollout); `reward`: the reward role's."""
     scores, sources, lengths, clipped = [], [], [], []
-    for prompts in held_out.in_order(cfg.batch_size):
-        if cfg.val_samples > 1:
-            prompts = prompts.repeat(cfg.val_samples)
+    for prompts in held_out.in_order(cfg.data.batch_size):
+        if cfg.validation.samples > 1:
+            prompts = prompts.repeat(cfg.validation.samples)
         prompts.meta.update(step=step, validation=True)
         gen = generate.generate_sequences.future(prompts)
         scored = reward.compute_scores.future(gen)      # from the generating ranks to the reward's

@@ -8,7 +8,7 @@ verl's default reward does, so that a dataset mixing sources is scored right sam
     exact        1 if the response, stripped, is the ground truth
 
 Every scorer is `fn(response, ground_truth) -> float`; `by_data_source` is the reward function
-(`train.reward_fn`) that picks one:
+(`train.reward.fn`) that picks one:
 
     openai/gsm8k, gsm8k                                              gsm8k
     lighteval/MATH, DigitalLearningGmbH/MATH-lighteval,
@@ -79,12 +79,12 @@ def scorer_for(data_source: str):
         if str(data_source).startswith(prefix):
             return fn
     raise ValueError(f"no built-in scorer for data_source {data_source!r} (known: {', '.join(SCORERS)}, "
-                     f"{', '.join(p + '*' for p in PREFIXES)}); set train.reward_fn to your own module:function")
+                     f"{', '.join(p + '*' for p in PREFIXES)}); set train.reward.fn to your own module:function")
 
 
 def by_data_source(prompt, response: str, data_source: str | None = None, ground_truth=None, **_) -> float:
     """The reward function for datasets in verl's format: the scorer of the sample's data_source."""
     if data_source is None or ground_truth is None:
         raise ValueError("the sample has no data_source or no ground_truth (verl's reward_model.ground_truth); "
-                         "the built-in scorers need both, or set train.reward_fn to your own function")
+                         "the built-in scorers need both, or set train.reward.fn to your own function")
     return scorer_for(data_source)(response, ground_truth)

@@ -86,7 +86,7 @@ def node_labels(cluster: dict, me: dict) -> str:
     """`hpcrl.component` for a node of the job's own components, `hpcrl.satellite` (its job id) for a
     satellite's; every node carries the job and run it serves and its roles."""
     origin = {"hpcrl.satellite": me["satellite"]} if me.get("satellite") else {"hpcrl.component": str(me["component"])}
-    labels = {"hpcrl.spec": cluster["job_id"], "hpcrl.run": cluster["run_id"], "hpcrl.node": me["name"], **origin,
+    labels = {"hpcrl.jobspec": cluster["job_id"], "hpcrl.run": cluster["run_id"], "hpcrl.node": me["name"], **origin,
               "hpcrl.partition": me["partition"], "hpcrl.gpu_type": me["gpu_type"] or "none",
               **{f"hpcrl.role.{m}": "1" for m in me["members"]}}
     return ",".join(f"{k}={v}" for k, v in labels.items())

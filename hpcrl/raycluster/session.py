@@ -159,7 +159,7 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
     def all_joined() -> bool:
         nonlocal joined
         joined = {n["Labels"].get("hpcrl.node") for n in ray.nodes()
-                  if n["Alive"] and n["Labels"].get("hpcrl.spec") == cluster["job_id"]}
+                  if n["Alive"] and n["Labels"].get("hpcrl.jobspec") == cluster["job_id"]}
         return expected <= joined
 
     try:

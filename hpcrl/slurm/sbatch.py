@@ -236,7 +236,7 @@ def _dependency_args(dependency: str | None) -> list[str]:
 
 def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, spec_data: dict | None = None,
                   fn: Callable | None = None, args: tuple = (), dependency: str | None = None) -> JobHandle:
-    """Write the run directory and submit (the job's checks are the caller's: hpcrl.spec.checks).
+    """Write the run directory and submit (the job's checks are the caller's: hpcrl.jobspec.checks).
     The run directory is refused, untouched, when it holds a live job or, without resume, an earlier run.
     dependency: sbatch's --dependency (afterany:123), which a whole hetjob waits for."""
     if via not in VIAS:

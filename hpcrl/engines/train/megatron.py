@@ -238,7 +238,7 @@ class MegatronEngine:
     @torch.no_grad()
     def infer(self, batch: Batch, micro_batch_size: int, micro_batch_tokens: int = 0) -> Batch:
         """micro_batch_tokens is not taken: the pipeline schedule sends tensors of one shape
-        between stages (PPOConfig refuses it with megatron)."""
+        between stages (TrainConfig refuses it with megatron)."""
         self.model.eval()
         group, mine = self._group_batch(batch)
         records = self._schedule(group.split(micro_batch_size), None)

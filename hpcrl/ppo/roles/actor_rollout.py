@@ -10,7 +10,7 @@ from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch, Weights
 from hpcrl.controller.device_weights import DeviceWeights, Placement, shares_gpu
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.roles.common import local_share, make_train_engine, ppo_updates, seed_all
 from hpcrl.ppo.roles.rollout import Generates, make_rollout_engine
 
@@ -19,17 +19,17 @@ class ActorRollout(Generates, Checkpointed, Worker):
     """The policy; it also generates unless the job runs a separate `rollout` role."""
     shares_device = True
 
-    def __init__(self, model_dir: str, cfg: dict):
-        self.cfg = PPOConfig(**cfg)
+    def __init__(self, model_dir: str, cfg: TrainConfig):
+        self.cfg = cfg
         seed_all(self.cfg.seed + self.rank)
-        self.engine = make_train_engine(self.cfg, model_dir, "log_probs", self.device, self.cfg.actor_lr)
-        self.rollout = None if self.cfg.rollout_role else make_rollout_engine(self.cfg, model_dir, self.rank, self.device,
+        self.engine = make_train_engine(self.cfg, model_dir, "log_probs", self.device, self.cfg.optim.actor_lr)
+        self.rollout = None if self.cfg.rollout.own_role else make_rollout_engine(self.cfg, model_dir, self.rank, self.device,
                                                                               self.engine)
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
         """log π_old of the sampled tokens, recomputed by the training model (not the sampler's)."""
-        out = self.engine.infer(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens)
+        out = self.engine.infer(batch, self.cfg.optim.micro_batch_size, self.cfg.optim.micro_batch_tokens)
         return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
 
     @register(Dispatch.DP_COMPUTE, changes_state=True)
@@ -63,18 +63,18 @@ class ActorRollout(Generates, Checkpointed, Worker):
 
     def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
         cfg, mask, logp, ent = self.cfg, mb["response_mask"], out["log_probs"], out["entropy"]
-        weights = truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], cfg.tis_cap) if cfg.tis_cap else None
-        pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, cfg.clip_low, cfg.clip_high,
-                                cfg.dual_clip or None, cfg.loss_agg_mode, total_tokens, total_seqs, weights)
+        weights = truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], cfg.algorithm.tis_cap) if cfg.algorithm.tis_cap else None
+        pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, cfg.algorithm.clip_low, cfg.algorithm.clip_high,
+                                cfg.algorithm.dual_clip or None, cfg.algorithm.loss_agg_mode, total_tokens, total_seqs, weights)
         loss = pg
-        if cfg.entropy_coef:
-            loss = loss - cfg.entropy_coef * aggregate(ent, mask, cfg.loss_agg_mode, total_tokens, total_seqs)
+        if cfg.algorithm.entropy_coef:
+            loss = loss - cfg.algorithm.entropy_coef * aggregate(ent, mask, cfg.algorithm.loss_agg_mode, total_tokens, total_seqs)
         share = local_share(mask, total_tokens)
         stats.update(pg_loss=float(pg.detach()) / share, entropy=float(masked_mean(ent.detach(), mask)))
-        if cfg.kl_loss and cfg.kl_coef:
-            kl = kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_estimator)
-            kl_loss = aggregate(kl, mask, cfg.loss_agg_mode, total_tokens, total_seqs)
-            loss = loss + cfg.kl_coef * kl_loss
+        if cfg.algorithm.kl_loss and cfg.algorithm.kl_coef:
+            kl = kl_penalty(logp, mb["ref_log_probs"], cfg.algorithm.kl_loss_estimator)
+            kl_loss = aggregate(kl, mask, cfg.algorithm.loss_agg_mode, total_tokens, total_seqs)
+            loss = loss + cfg.algorithm.kl_coef * kl_loss
             stats["kl_loss"] = float(kl_loss) / share
         return loss, stats
 

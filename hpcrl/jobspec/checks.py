@@ -16,12 +16,12 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from hpcrl.ppo.config import ConfigError, PPOConfig, RolePlace
+from hpcrl.ppo.config import TrainConfig
 
 if TYPE_CHECKING:
-    from hpcrl.spec.models import JobSpec
+    from hpcrl.jobspec.models import JobSpec
     from hpcrl.slurm.cluster_info import ClusterInfo
     from hpcrl.slurm.job import HetJob
 
@@ -47,12 +47,8 @@ def container_problems(spec: JobSpec) -> list[str]:
     if boxes and spec.bootstrap == "mpi":
         problems.append("bootstrap: mpi, but a component runs in a container, where the node tasks' MPI would have to "
                         "match the host's PMIx; use bootstrap: poll (auto polls where there are containers)")
-    try:
-        parallel = bool(spec.train) and PPOConfig.from_dict(spec.train).checkpoint_io == "parallel"
-    except ConfigError:
-        parallel = False           # train_problems names it
-    if boxes and parallel:
-        problems.append("train.checkpoint_io: parallel, but a component runs in a container: the parallel writers "
+    if boxes and spec.train and spec.train.checkpoint.io == "parallel":
+        problems.append("train.checkpoint.io: parallel, but a component runs in a container: the parallel writers "
                         "are a Slurm step the roles start, and an image has no srun; use auto (serial in a container) "
                         "or serial")
     return problems
@@ -150,6 +146,15 @@ def run_dir_warnings(spec: JobSpec) -> list[str]:
     return []
 
 
+class RolePlace(NamedTuple):
+    """Where the spec puts a role: its hetjob component, its nodes and GPUs (all nodes), and the
+    spec field that gives them (`roles.<the component's first role>`), for messages."""
+    component: int
+    nodes: int
+    gpus: int
+    field: str
+
+
 def placements(spec: JobSpec) -> dict[str, RolePlace]:
     """Where each role runs, as the training settings see it: its component and its GPUs."""
     out = {}
@@ -162,14 +167,67 @@ def placements(spec: JobSpec) -> dict[str, RolePlace]:
 
 
 def train_problems(spec: JobSpec) -> list[str]:
-    """The training settings, and what they need of the roles (hpcrl/ppo/config.py says what)."""
-    if not spec.train:
+    """The training settings across sections, and what they need of the spec's roles: every role
+    they run placed, the scorers among the reward role and your own, colocated roles in one
+    component, megatron's roles on GPUs that its TP × PP layout divides, a mini-batch for every rank
+    of a training role, vLLM's tensor parallelism on the GPUs of the generating role."""
+    cfg = spec.train
+    if not cfg:
         return []
-    try:
-        cfg = PPOConfig.from_dict(spec.train)
-    except ConfigError as e:
-        return e.problems
-    return cfg.placement_problems(placements(spec), own_roles(spec))
+    places, own = placements(spec), own_roles(spec)
+    runs = cfg.roles()
+    problems = [f"train.{p}" for p in cfg.problems()]
+    problems += [f"roles.{r}: missing; train needs it (advantage={cfg.algorithm.advantage}, "
+                 f"kl_coef={cfg.algorithm.kl_coef}) — give it resources or same_nodes_as: <role>"
+                 for r in runs if r not in places]
+    problems += [f"train.reward.scorers[{i}].role: {s.role} is not " + (
+                 f"a role that scores (the reward role, or one of your own with roles.{s.role}.worker)"
+                 if s.role in places else f"a role of this spec (roles: {', '.join(places)})")
+                 for i, s in enumerate(cfg.reward.terms()) if s.role != "reward" and s.role not in own]
+    for role in ("actor_rollout", "critic"):
+        if role in runs and role in places:
+            world = data_parallel_ranks(cfg, role, places[role])
+            if cfg.optim.mini_batch_size % world:
+                problems.append(f"train.optim.mini_batch_size: {cfg.optim.mini_batch_size} is not a multiple of the "
+                                f"{world} ranks of role {role} ({places[role].field}); each rank takes an equal share")
+    generator = "rollout" if cfg.rollout.own_role else "actor_rollout"
+    if cfg.rollout.tensor_parallel > 1 and generator in places:
+        gpus = places[generator].gpus // max(1, places[generator].nodes)
+        if not gpus or gpus % cfg.rollout.tensor_parallel:
+            problems.append(f"train.rollout.tensor_parallel: {cfg.rollout.tensor_parallel} GPUs per vLLM engine, "
+                            f"but role {generator} has {gpus} GPUs per node ({places[generator].field}); it must "
+                            "divide them")
+    for k, group in enumerate(cfg.layout.colocate):
+        unknown = [r for r in group if r not in [*runs, *own]]
+        if unknown:
+            problems.append(f"train.layout.colocate[{k}]: {unknown} not among the roles this training runs "
+                            f"{[*runs, *own]}")
+        elif len({places[r].component if r in places else None for r in group}) > 1:
+            problems.append(f"train.layout.colocate[{k}]: {group} are in different Slurm components; colocated roles "
+                            f"need the same nodes (same_nodes_as: {group[0]})")
+    problems += [f"train.layout.processes_per_node.{r}: not a role of this spec" for r in cfg.layout.processes_per_node
+                 if r not in places]
+    if cfg.engine.backend == "megatron":
+        for r in ("actor_rollout", "critic", "ref"):
+            if r not in runs or r not in places:
+                continue
+            place = places[r]
+            if not place.gpus:
+                problems.append(f"{place.field}: no GPUs, but train.engine.backend: megatron runs role {r} on GPUs "
+                                "(set gpus_per_node, or use engine.backend: torch)")
+            elif place.gpus % cfg.engine.model_parallel:
+                problems.append(f"train.engine.tensor_parallel: {cfg.engine.tensor_parallel} × pipeline_parallel "
+                                f"{cfg.engine.pipeline_parallel} = {cfg.engine.model_parallel} GPUs per model does "
+                                f"not divide the {place.gpus} GPUs of role {r} ({place.field})")
+    return problems
+
+
+def data_parallel_ranks(cfg: TrainConfig, role: str, place: RolePlace) -> int:
+    """The data-parallel ranks of a role: one per GPU (per TP × PP group with megatron), else
+    processes_per_node per node."""
+    if place.gpus and cfg.engine.backend == "megatron":
+        return max(1, place.gpus // cfg.engine.model_parallel)
+    return place.gpus or place.nodes * cfg.layout.processes_per_node.get(role, 1)
 
 
 def own_roles(spec: JobSpec) -> tuple[str, ...]:
@@ -179,14 +237,11 @@ def own_roles(spec: JobSpec) -> tuple[str, ...]:
 
 def code_problems(spec: JobSpec) -> list[str]:
     """Your own code the spec names: each worker class imports here, subclasses hpcrl.Worker and
-    takes its worker_args, the scoring methods of train.rewards are registered on it, the driver and
-    train.reward_fn are functions. Imported in this process: the login node runs the job's interpreter
+    takes its worker_args, the scoring methods of train.reward.scorers are registered on it, the driver and
+    train.reward.fn are functions. Imported in this process: the login node runs the job's interpreter
     on the shared filesystem (or say `python:` and install the package there too)."""
-    try:
-        cfg = PPOConfig.from_dict(spec.train) if spec.train else None
-    except ConfigError:
-        cfg = None           # train_problems names its problems
-    reward_fn = cfg.reward_fn if cfg else ""
+    cfg = spec.train
+    reward_fn = cfg.reward.fn if cfg else ""
     if not own_roles(spec) and not spec.driver and not reward_fn:
         return []
     from hpcrl.ppo.roles.custom import BUILTIN_ROLES, method_problem, worker_class
@@ -196,7 +251,7 @@ def code_problems(spec: JobSpec) -> list[str]:
         where = f"roles.{role}.worker"
         if role in BUILTIN_ROLES:
             problems.append(f"{where}: {role} is a built-in role with its own worker; name your role differently "
-                            f"(e.g. my_{role}) and add its scores with train.rewards")
+                            f"(e.g. my_{role}) and add its scores with train.reward.scorers")
             continue
         try:
             classes[role] = worker_class(spec.roles[role].worker, spec.roles[role].worker_args)
@@ -204,14 +259,14 @@ def code_problems(spec: JobSpec) -> list[str]:
             problems.append(f"{where}: {e}")
     problems += [f"roles.{role}.worker_args: given, but the role has no worker class of its own (worker:)"
                  for role, r in spec.roles.items() if r.worker_args and not r.worker]
-    for i, s in enumerate(cfg.scorers() if cfg else []):
+    for i, s in enumerate(cfg.reward.terms() if cfg else []):
         problem = method_problem(classes[s.role], s.method) if s.role in classes else None
         if problem:
-            problems.append(f"train.rewards[{i}].method: {problem}")
+            problems.append(f"train.reward.scorers[{i}].method: {problem}")
     if reward_fn:      # the reward role imports it as this process does
-        shape = ("def score(prompts, responses, **fields) -> a score per sample" if cfg.reward_batched else
+        shape = ("def score(prompts, responses, **fields) -> a score per sample" if cfg.reward.batched else
                  "def score(prompt, response, **fields) -> float")
-        problems += function_problems("train.reward_fn", reward_fn, shape)
+        problems += function_problems("train.reward.fn", reward_fn, shape)
     if spec.driver:
         problems += function_problems("driver", spec.driver, "def main(ctx: hpcrl.RunContext)")
         if not spec.train:
@@ -242,13 +297,13 @@ def environment_problems(spec: JobSpec) -> list[str]:
         problems += [f"bootstrap: mpi, but {p}; install MPI (.ci/install-mpi, or pip install 'hpcrl[mpi]' against "
                      "the cluster's MPI), or choose bootstrap: auto (polls where MPI is missing) or poll"
                      for p in mpi_problems(python, spec.mpi)]
-    if spec.train and PPOConfig.from_dict(spec.train).checkpoint_io == "parallel":
+    if spec.train and spec.train.checkpoint.io == "parallel":
         from hpcrl.checkpoint.parallel import h5py_problem
 
         problem = h5py_problem(python)
         if problem:
-            problems.append(f"train.checkpoint_io: parallel, but {problem}; build h5py against an MPI HDF5 "
-                            "(.ci/install-mpi), or use checkpoint_io: auto (serial where it cannot)")
+            problems.append(f"train.checkpoint.io: parallel, but {problem}; build h5py against an MPI HDF5 "
+                            "(.ci/install-mpi), or use checkpoint.io: auto (serial where it cannot)")
     return problems
 
 
@@ -261,6 +316,6 @@ def problems_before_submit(spec: JobSpec, job: HetJob, cluster: ClusterInfo | No
     found = unsafe_values(job, str(job.run_dir)) + environment_problems(spec)
     if cluster is None:
         return found
-    missing = PPOConfig.from_dict(spec.train).missing_paths() if spec.train else []
+    missing = spec.train.missing_paths() if spec.train else []
     here = [p for b in containers(spec) for p in b.problems_here(str(spec.run_dir))]
     return found + run_dir_problems(spec) + missing + cluster.check(job) + here

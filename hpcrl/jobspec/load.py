@@ -7,10 +7,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from hpcrl.spec.checks import spec_problems
-from hpcrl.spec.overrides import OverrideError, apply_overrides, parse_overrides
-from hpcrl.spec.models import JobSpec, RoleSpec, SpecError
-from hpcrl.ppo.config import PPOConfig, spec_key
+from hpcrl.jobspec.checks import spec_problems
+from hpcrl.ppo.config import problem, upgrade_flat_keys
+from hpcrl.jobspec.models import JobSpec, SpecError
+from hpcrl.jobspec.overrides import OverrideError, apply_overrides, parse_overrides, set_fields
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -27,53 +27,49 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _pydantic_problem(err: dict) -> str:
-    path = ".".join(spec_key(p) for p in err["loc"]) or "top level"
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        parent = err["loc"][:-1]
-        model = RoleSpec if len(parent) == 2 and parent[0] == "roles" else JobSpec
-        return f"{path}: unknown field (valid fields: {', '.join(model.model_fields)})"
-    if kind == "missing":
-        return f"{path}: required field is missing"
-    msg = err["msg"].removeprefix("Value error, ")
-    given = err.get("input")
-    if "input" in err and not isinstance(given, dict) and repr(given) not in msg:     # the parsers name it already
-        return f"{path}: {msg} (got {given!r})"
-    return f"{path}: {msg}"
-
-
 def parse_spec(data: Any, source: str = "spec", run_dir: str | Path | None = None,
                overrides: list[str] | dict[str, Any] | None = None) -> JobSpec:
-    """A validated JobSpec from parsed YAML, or a SpecError listing every problem. `overrides`:
-    PATH=VALUE strings (or a dict of them) merged in first (hpcrl/spec/overrides.py)."""
+    """A validated JobSpec from parsed YAML, or a SpecError listing every problem; then `run_dir`
+    and `overrides` (PATH=VALUE strings, or a dict of them) set on it as `configure` does."""
     if not isinstance(data, dict):
         raise SpecError([f"top level: expected a mapping of fields, got {type(data).__name__}"], source)
-    problems = []
-    if overrides:
-        try:
-            data = apply_overrides(data, parse_overrides(overrides))
-        except OverrideError as e:     # the rest are merged: their values are checked too
-            problems, data = [f"override {p}" for p in e.problems], e.merged or data
-    if run_dir is not None:
-        data = {**data, "run_dir": str(run_dir)}
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError(problems + [_pydantic_problem(err) for err in e.errors()], source) from None
-    problems += spec_problems(spec)
+        raise SpecError([problem(err, JobSpec) for err in e.errors()], source) from None
+    notes = upgrade_flat_keys(data["train"])[1] if isinstance(data.get("train"), dict) else []
+    spec._source, spec._notes = source, notes
+    return configure(spec, run_dir, overrides)
+
+
+def configure(spec: JobSpec, run_dir: str | Path | None = None,
+              overrides: list[str] | dict[str, Any] | None = None) -> JobSpec:
+    """The typed spec with its run directory replaced and the overrides set (hpcrl/jobspec/overrides.py),
+    checked across fields (hpcrl/jobspec/checks.py), and its paths absolute: relative ones are taken
+    from the working directory, where hpcrl runs. A SpecError lists every problem."""
+    problems, notes, spec = [], [], spec.model_copy(deep=True)
+    if run_dir is not None:
+        errors: list[dict] = []
+        spec = set_fields(spec, {("run_dir",): Path(run_dir)}, errors)
+        problems += [problem(err, JobSpec) for err in errors]
+    if overrides and not problems:
+        try:
+            spec, notes = apply_overrides(spec, parse_overrides(overrides))
+        except OverrideError as e:
+            problems = [f"override {p}" for p in e.problems]
+    problems += spec_problems(spec) if not problems else []
     if problems:
-        raise SpecError(problems, source)
+        raise SpecError(problems, spec.source)
     spec.run_dir = spec.run_dir.expanduser().resolve()
-    spec.train = PPOConfig.resolve_paths(spec.train, Path.cwd())
-    spec._source = source
+    spec.train = spec.train.with_paths_from(Path.cwd()) if spec.train else None
+    spec._notes = [*spec._notes, *notes]
     return spec
 
 
 def load_spec(path: str | Path, run_dir: str | Path | None = None,
               overrides: list[str] | dict[str, Any] | None = None) -> JobSpec:
     """Read and validate a YAML job spec; `run_dir` replaces the spec's run directory, `overrides`
-    (["train.actor_lr=1e-6", ...]) set fields by dotted path."""
+    (["train.optim.actor_lr=1e-6", ...]) set fields by dotted path."""
     return parse_spec(read_spec_data(path), str(path), run_dir, overrides)
 
 

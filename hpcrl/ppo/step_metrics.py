@@ -1,5 +1,6 @@
-"""Every metric the built-in loop (hpcrl/ppo/loop.py) and its validation (hpcrl/ppo/validation.py)
-write to RUN_DIR/metrics.jsonl, TensorBoard and W&B, with its unit and meaning.
+"""What a step of the built-in loop logs: every metric that it (hpcrl/ppo/loop.py) and its
+validation (hpcrl/ppo/validation.py) write to RUN_DIR/metrics.jsonl, TensorBoard and W&B, with its
+unit and meaning (METRICS), and a step's record computed from its batch (`step_record`).
 
 The reference page docs/pages/reference/metrics.md is generated from METRICS (hpcrl/reference.py),
 and tests/test_reference.py runs a short training and checks both ways: every key it logs has an
@@ -9,7 +10,13 @@ family, one key per role or data source.
 from __future__ import annotations
 
 import re
+import time
 from typing import NamedTuple
+
+import torch
+
+from hpcrl import algo
+from hpcrl.controller.batch import Batch
 
 
 class Metric(NamedTuple):
@@ -99,3 +106,37 @@ _PATTERNS = {name: _pattern(name) for name in METRICS}
 def entry(key: str) -> str | None:
     """The METRICS entry a logged key belongs to (`score/reward` -> `score/<role>`), or None."""
     return next((name for name, p in _PATTERNS.items() if p.fullmatch(key)), None)
+
+
+def explained_variance(values, returns, mask) -> float:
+    m = mask.bool()
+    var = torch.var(returns[m])
+    return float(1 - torch.var(returns[m] - values[m]) / var) if var > 0 else float("nan")
+
+
+def step_record(step: int, batch: Batch, terms: list[str], kl: dict, actor: dict, critic: dict | None,
+                trained_with: int, times: dict[str, float], step_s: float, train_s: float, val: dict) -> dict:
+    """The metrics of one step (METRICS): from its batch after the updates, the scoring `terms`
+    (roles), the KL controller's `kl`, the actor's and critic's update statistics (critic None:
+    there is none), the policy version the actor trained from, the phases' `times`, the step's
+    seconds with and without validation, and the validation's scores."""
+    mask = batch["response_mask"]
+    lengths = mask.sum(dim=1).float()
+    sampled = batch.meta.get("policy_version", 0)
+    return {"step": step, "time": round(time.time(), 3),
+            "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
+            **({f"score/{role}": float(batch[f"score/{role}"].mean()) for role in terms} if len(terms) > 1 else {}),
+            **kl,
+            "actor/pg_loss": actor.get("pg_loss"), "actor/clipfrac": actor.get("clipfrac"),
+            "actor/entropy": float(algo.masked_mean(batch["entropy"], mask)),
+            "actor/approx_kl": actor.get("approx_kl"), "actor/grad_norm": actor.get("grad_norm"),
+            "critic/vf_loss": critic.get("vf_loss") if critic is not None else None,
+            "critic/vf_explained_var": explained_variance(batch["values"], batch["returns"], mask)
+            if critic is not None else None,
+            "policy/version": sampled, "policy/lag": trained_with - sampled,
+            "rollout/log_prob_diff": float(algo.masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
+                                                            mask)) if "rollout_log_probs" in batch else None,
+            "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((~batch["has_eos"]).float().mean()), **val,
+            **times, "timing/step": round(step_s, 4),
+            "throughput/tokens_per_s": round(int(mask.sum() + batch["prompt_mask"].sum()) / train_s, 1)}

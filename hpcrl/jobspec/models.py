@@ -7,13 +7,13 @@
       critic:        {partition: h100, nodes: 1, gpus_per_node: 1, gpu_type: h100, mem: 4G}
       ref:           {partition: cpu, mem: 4G}
       reward:        {same_nodes_as: ref}   # shares ref's hetjob component
-    train: {...}                    # the training settings: hpcrl/ppo/config.py checks them
+    train: {...}                    # the training settings, in sections: hpcrl/ppo/config.py
 
 Every role either declares resources (and becomes one hetjob component) or names another role
 with `same_nodes_as` (and joins that role's component). A role of your own names its worker class
 (`worker: mypkg.rules:RuleEngineWorker`); `driver: mypkg.train:main` runs your own loop. Nothing here talks to Slurm. Reading a
-spec (YAML, every problem at once) is hpcrl/spec/load.py; the checks that span fields, and those
-against the live cluster and the job's interpreter, are hpcrl/spec/checks.py.
+spec (YAML, every problem at once) is hpcrl/jobspec/load.py; the checks that span fields, and those
+against the live cluster and the job's interpreter, are hpcrl/jobspec/checks.py.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from hpcrl.env_vars import JobEnv
+from hpcrl.ppo.config import TrainConfig
 from hpcrl.slurm.container import Container
 from hpcrl.slurm.directives import control_characters
 from hpcrl.slurm.job import Component, Gres, HetJob, parse_mem_mb, parse_time_minutes
@@ -41,8 +42,8 @@ class SpecError(ValueError):
 
 
 class ContainerSpec(BaseModel):
-    """An image the steps of a component run in (README: "Containers")."""
-    model_config = ConfigDict(extra="forbid")
+    """An image the steps of a component run in (docs: how-to/containers.md)."""
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     runtime: Literal["apptainer", "pyxis", "charliecloud"]
     """apptainer (`apptainer exec` inside each srun), pyxis (srun --container-image), charliecloud (ch-run)."""
@@ -93,7 +94,7 @@ class ContainerSpec(BaseModel):
 
 class RoleSpec(BaseModel):
     """Where one role runs: the resources of its hetjob component, per node."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     same_nodes_as: str | None = None
     """Put this role in the named role's component instead of one of its own (no resource fields then)."""
@@ -148,10 +149,12 @@ class RoleSpec(BaseModel):
 
 class WandbSpec(BaseModel):
     """A Weights & Biases run of the job (needs the wandb package: pip install 'hpcrl[wandb]')."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     project: str
+    """The W&B project the run is logged to."""
     entity: str | None = None
+    """The W&B team or user that owns the project; None: your default entity."""
     name: str | None = None
     """The run's name in W&B; None: W&B chooses one."""
     mode: Literal["offline", "online"] = "offline"
@@ -160,7 +163,7 @@ class WandbSpec(BaseModel):
 
 class MetricsSpec(BaseModel):
     """Where the per-step metrics go besides RUN_DIR/metrics.jsonl."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     tensorboard: bool = False
     """Also write TensorBoard events to RUN_DIR/tensorboard/ (needs the tensorboard package)."""
@@ -170,7 +173,7 @@ class MetricsSpec(BaseModel):
 
 class JobSpec(BaseModel):
     """A whole hpcrl job: name, run directory, requeue policy, roles and training settings."""
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     name: str
     """Slurm job name."""
@@ -197,19 +200,26 @@ class JobSpec(BaseModel):
     """Shell lines run before anything else in the batch script (module load, venv activation)."""
     python: str | None = None
     """Python interpreter on the compute nodes; None: the one running hpcrl (shared filesystem)."""
-    train: dict[str, Any] = Field(default_factory=dict)
-    """Training settings, read by the driver (hpcrl/ppo/config.py)."""
+    train: TrainConfig | None = None
+    """The training settings, in sections (hpcrl/ppo/config.py; docs: reference/spec.md); None or
+    empty: no training (the allocation and its Ray cluster only)."""
     overridden: dict[str, Any] = Field(default_factory=dict)
-    """The values set on the command line (`hpcrl submit SPEC train.actor_lr=1e-6`), path -> value,
+    """The values set on the command line (`hpcrl submit SPEC train.optim.actor_lr=1e-6`), path -> value,
     already merged into the fields above: a record for `hpcrl status`, written by hpcrl."""
     driver: str | None = None
     """Your own training loop, `package.module:function`, called with the run's RunContext
     (hpcrl/ppo/context.py) instead of the built-in PPO driver; None: the built-in one."""
     container: ContainerSpec | None = None
-    """The image every component's steps run in, unless its role says otherwise (README: "Containers")."""
+    """The image every component's steps run in, unless its role says otherwise (docs: how-to/containers.md)."""
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     """metrics.tensorboard: true adds TensorBoard output; metrics.wandb: {project: ...} a W&B run."""
     _source: str = PrivateAttr("")
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @field_validator("train", mode="before")
+    @classmethod
+    def _no_training(cls, v):
+        return v or None
 
     @field_validator("run_dir")
     @classmethod
@@ -239,6 +249,16 @@ class JobSpec(BaseModel):
         """The spec as written (fields given, resolved run_dir): what RUN_DIR/spec.yaml holds and
         the driver reads back with load_spec."""
         return {**self.model_dump(mode="json", exclude_unset=True), "run_dir": str(self.run_dir)}
+
+    @property
+    def source(self) -> str:
+        """Where the spec was read from (its file), or its name: what messages about it start with."""
+        return self._source or self.name
+
+    @property
+    def notes(self) -> list[str]:
+        """What was read but should be written otherwise (a flat training key): said, not refused."""
+        return list(self._notes)
 
     def component_roles(self) -> list[list[str]]:
         """Roles grouped by hetjob component, components in spec order."""
