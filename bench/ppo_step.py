@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from hpcrl.launch.entrypoint import write_local_spec
+from hpcrl.ppo.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"split": [], "colocated": [["actor_rollout", "ref"], ["critic", "reward"]]}
@@ -30,8 +31,8 @@ PHASES = ["generate", "score", "advantage", "update_critic", "update_actor", "sy
 
 
 def run_layout(colocate: list, steps: int) -> list[dict]:
-    train = yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())["train"]
-    train.update(total_steps=steps, colocate=colocate, progress=False)
+    train = TrainConfig.model_validate(yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text())["train"]).updated(
+        total_steps=steps, progress=False, layout={"colocate": colocate})
     run = Path(tempfile.mkdtemp(prefix="hpcrl-bench-ppo-"))
     write_local_spec(run, train)
     subprocess.run([sys.executable, "-m", "hpcrl.launch", str(run), "--local"], check=True, cwd=ROOT)

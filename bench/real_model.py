@@ -39,6 +39,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hpcrl.ppo.config import TrainConfig  # noqa: E402  (the checkout's, as the other imports below)
+
 GRPO = {"advantage": "grpo", "batch_size": 16, "n_samples": 8, "kl_coef": 0.0, "actor_lr": 5e-6,
         "mini_batch_size": 128, "micro_batch_size": 128}
 PPO = {"advantage": "gae", "batch_size": 64, "n_samples": 1, "kl_coef": 0.0, "actor_lr": 5e-6, "critic_lr": 2e-5,
@@ -51,18 +53,20 @@ def held_out(data: Path, n: int, work: Path) -> Path:
     return write_rows(read_rows(data / "test.parquet")[:n], work / "held_out.parquet")
 
 
-def hpcrl_spec(run: Path, model: Path, data: Path, held: Path, settings: dict, args) -> dict:
+def hpcrl_spec(run: Path, model: Path, data: Path, held: Path, settings: dict, args) -> TrainConfig:
     spec = yaml.safe_load((ROOT / "jobs" / "smollm2-chain-sum-1gpu.yaml").read_text())
-    train = {**spec["train"], **settings, "model_dir": str(model), "dataset": str(data / "train.parquet"),
-             "val_dataset": str(held), "val_every": args.val_every, "val_before_train": True,
-             "max_new_tokens": args.new_tokens, "total_steps": 100_000, "save_every": 0, "save_last": False,
-             "progress": False, "seed": args.seed}
-    if settings["advantage"] == "gae":
-        train["colocate"] = [["actor_rollout", "critic", "reward"]]
+    cfg = TrainConfig.model_validate(spec["train"]).updated(
+        **settings, total_steps=100_000, progress=False, seed=args.seed,
+        model={"path": str(model)}, data={"dataset": str(data / "train.parquet")},
+        validation={"dataset": str(held), "every": args.val_every, "before_train": True},
+        rollout={"max_new_tokens": args.new_tokens}, checkpoint={"save_every": 0, "save_last": False})
+    if cfg.algorithm.advantage == "gae":
+        cfg = cfg.updated(layout={"colocate": [["actor_rollout", "critic", "reward"]]})
     if args.cpu:
-        train.update(batch_size=max(2, train["batch_size"] // 8), mini_batch_size=max(2, train["mini_batch_size"] // 8),
-                     micro_batch_size=max(2, train["micro_batch_size"] // 8), precision="fp32")
-    return train
+        cfg = cfg.updated(data={"batch_size": max(2, cfg.data.batch_size // 8)}, engine={"precision": "fp32"},
+                          optim={"mini_batch_size": max(2, cfg.optim.mini_batch_size // 8),
+                                 "micro_batch_size": max(2, cfg.optim.micro_batch_size // 8)})
+    return cfg
 
 
 def run_hpcrl(name: str, settings: dict, args, work: Path, held: Path) -> tuple[list[tuple[float, float]], int, float]:

@@ -133,8 +133,7 @@ def in_image(spec: Path, image: Path, roles: list[str]) -> Path:
     checkpoints written serially (parallel HDF5's writers are a Slurm step: refused in containers)."""
     import yaml
 
-    data = yaml.safe_load(spec.read_text())
-    data.setdefault("train", {})["checkpoint_io"] = "auto"
+    data = with_train(yaml.safe_load(spec.read_text()), checkpoint={"io": "auto"})
     for role in roles:
         data["roles"][role]["container"] = {"runtime": "charliecloud", "image": str(image), "python": "/opt/venv/bin/python"}
     path = spec.with_name(f"{spec.stem}-in-image.yaml")

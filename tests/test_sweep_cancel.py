@@ -81,7 +81,7 @@ def sweep_dir(tmp_path, slurm_cluster):
 
 @pytest.mark.slurm
 def test_a_sweep_runs_every_combination_and_a_cancelled_run_resumes(sweep_dir):
-    out = hpcrl("sweep", SPEC, "train.actor_lr=3e-4,1e-3", "train.seed=1,2", "train.total_steps=12",
+    out = hpcrl("sweep", SPEC, "train.optim.actor_lr=3e-4,1e-3", "train.seed=1,2", "train.total_steps=12",
                 "--max-running", "3", "--run-dir", str(sweep_dir))
     assert out.returncode == 0, out.stdout + out.stderr
     runs = json.loads((sweep_dir / "sweep.json").read_text())["runs"]
@@ -94,7 +94,7 @@ def test_a_sweep_runs_every_combination_and_a_cancelled_run_resumes(sweep_dir):
     assert fourth["JobState"] == "PENDING" and f"afterany:{jobs[0]}" in fourth["Dependency"], fourth
     for run, (lr, seed) in zip(runs, [(3e-4, 1), (3e-4, 2), (1e-3, 1), (1e-3, 2)]):
         train = yaml.safe_load((sweep_dir / run["name"] / "spec.yaml").read_text())["train"]
-        assert (train["actor_lr"], train["seed"], train["total_steps"]) == (lr, seed, 12)
+        assert (train["optim"]["actor_lr"], train["seed"], train["total_steps"]) == (lr, seed, 12)
 
     # cancel the first once it has trained a step: a last checkpoint, no requeue, state CANCELLED. Its
     # driver is held (SIGSTOP) while the commands start, so that its 12 steps cannot end first
