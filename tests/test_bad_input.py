@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hpcrl.jobspec import SpecError, load_spec, parse_spec
 from hpcrl.jobspec.checks import problems_before_submit, run_dir_warnings
 from hpcrl.launch.submit import checked_hetjob, hetjob_of
-from hpcrl.ppo.config import OptimSettings, TrainConfig, _model_in, problem
+from hpcrl.ppo.config import OptimSettings, TrainConfig, model_in, problem
 from hpcrl.slurm.directives import UnsafeValue
 from hpcrl.slurm.job import format_mem, format_minutes, parse_mem_mb, parse_time_minutes
 from hpcrl.slurm.render import render_hetjob
@@ -82,7 +82,7 @@ def numeric_settings(model=TrainConfig, prefix="") -> dict[str, tuple[type, dict
     from the models' fields (bool is not one), not as the checker picks them."""
     out = {}
     for name, info in model.model_fields.items():
-        inner = _model_in(info.annotation)
+        inner = model_in(info.annotation)
         if inner is not None and name != "scorers":
             out.update(numeric_settings(inner, f"{prefix}{name}."))
         elif info.annotation in (int, float):

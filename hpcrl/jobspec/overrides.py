@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from hpcrl.ppo.config import FLAT_KEYS, TrainConfig, _model_in, problem as config_problem
+from hpcrl.ppo.config import FLAT_KEYS, model_in, problem as config_problem
 from hpcrl.jobspec.models import JobSpec
 
 
@@ -65,7 +65,7 @@ def known_fields(model: type[BaseModel] = JobSpec) -> dict:
     are the user's own, as in worker_args; {ANY: fields} for a model per name, as in roles)."""
     tree = {}
     for name, info in model.model_fields.items():
-        inner = _model_in(info.annotation)
+        inner = model_in(info.annotation)
         if _is_mapping(info.annotation):
             tree[name] = {ANY: known_fields(inner)} if inner else None
         else:
@@ -78,13 +78,13 @@ def apply_overrides(spec: JobSpec, overrides: dict[str, Any]) -> tuple[JobSpec, 
     all of its changes and checked as one from a file is, and `overridden` recording them; and a note
     per flat training key (`train.actor_lr` sets train.optim.actor_lr). An OverrideError lists every
     path that names no field and every value its field refuses."""
-    changes, problems, notes = {}, [], []
+    changes, problems, notes, tree = {}, [], [], known_fields()
     for path, value in overrides.items():
         parts = path.split(".")
         if len(parts) == 2 and parts[0] == "train" and parts[1] in FLAT_KEYS:
             parts = ["train", *FLAT_KEYS[parts[1]].split(".")]
             notes.append(f"{path}: now {'.'.join(parts)} (the flat key is read until hpcrl 0.3)")
-        problem = _path_problem(parts, spec)
+        problem = _path_problem(parts, spec, tree)
         if problem:
             problems.append(f"{path}: {problem}")
         else:
@@ -134,30 +134,29 @@ def _by_first(changes: dict[tuple, Any]) -> dict[str, dict[tuple, Any]]:
     return groups
 
 
-def _path_problem(parts: list[str], spec: JobSpec) -> str | None:
-    """Why the path names no field of the spec, with the nearest known names; or None."""
-    model, node, i = type(spec), spec, 0
-    while i < len(parts):
-        part, here = parts[i], ".".join(parts[:i])
-        if part not in model.model_fields:
-            near = _nearest(part, model.model_fields)
-            if model is TrainConfig and not near:    # a flat key mistyped: offer its section's field
-                near = _nearest(part, FLAT_KEYS).replace("mean ", "mean train.")
-                near = re.sub(r"train\.(\w+)", lambda m: f"train.{FLAT_KEYS[m.group(1)]}", near)
-            return f"{here or 'the spec'} has no field {part!r}{near}"
-        annotation = model.model_fields[part].annotation
-        inner, node = _model_in(annotation), getattr(node, part, None)
-        if _is_mapping(annotation):
-            if inner is None or i + 1 == len(parts):     # the user's own keys, or the whole mapping
-                return None
-            key, names = parts[i + 1], list(node or {})
-            if key not in names:         # a model per name (roles): the names the spec gives
-                return f"no {part.removesuffix('s')} {key!r} in the spec{_nearest(key, names)} ({part}: {', '.join(names)})"
-            model, node, i = inner, node[key], i + 2
+def _path_problem(parts: list[str], spec: JobSpec, tree: dict) -> str | None:
+    """Why the path names no field of the spec (`tree`: known_fields()), with the nearest known
+    names; or None."""
+    node, value = tree, spec
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[:depth])
+        if node is None:             # the user's own keys from here down
+            return None
+        if not node:
+            return f"{here} is a value, not a mapping"
+        if ANY in node:              # a model per name (roles): the names the spec gives
+            names = list(value or {})
+            if part not in names:
+                kind = parts[depth - 1]
+                return f"no {kind.removesuffix('s')} {part!r} in the spec{_nearest(part, names)} ({kind}: {', '.join(names)})"
+            node, value = node[ANY], value[part]
             continue
-        if inner is None and i + 1 < len(parts):
-            return f"{'.'.join(parts[:i + 1])} is a value, not a mapping"
-        model, i = inner, i + 1
+        if part not in node:
+            near = _nearest(part, node)
+            if here == "train" and not near:      # a flat key mistyped: offer its section's field
+                near = _nearest(part, FLAT_KEYS, {flat: f"train.{path}" for flat, path in FLAT_KEYS.items()})
+            return f"{here or 'the spec'} has no field {part!r}{near}"
+        node, value = node[part], getattr(value, part, None)
     return None
 
 
@@ -165,8 +164,8 @@ def _is_mapping(annotation) -> bool:
     return typing.get_origin(annotation) is dict
 
 
-def _nearest(name: str, known) -> str:
-    near = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+def _nearest(name: str, known, shown: dict[str, str] | None = None) -> str:
+    near = [(shown or {}).get(k, k) for k in difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)]
     return f"; did you mean {' or '.join(near)}?" if near else ""
 
 

@@ -446,22 +446,20 @@ class TrainConfig(Settings):
     def with_paths_from(self, base: Path) -> TrainConfig:
         """A copy with its path settings absolute, relative ones taken from `base` (critic_init "actor" is not a path)."""
         out = self.model_copy(deep=True)
-        for section, name in self.PATHS:
-            value = getattr(getattr(out, section), name)
-            if value and not (name == "critic_init" and value == "actor"):
-                setattr(getattr(out, section), name, str((base / Path(value).expanduser()).resolve()))
+        for section, name, value in self._paths():
+            setattr(getattr(out, section), name, str((base / Path(value).expanduser()).resolve()))
         return out
 
     def missing_paths(self) -> list[str]:
         """The path settings that name nothing here (checked before submission: the login node sees
         the shared filesystem the job will read them from)."""
-        problems = []
-        for section, name in self.PATHS:
-            value = getattr(getattr(self, section), name)
-            if value and not (name == "critic_init" and value == "actor") and name != "cache_dir" \
-                    and not Path(value).exists():
-                problems.append(f"train.{section}.{name}: {value} does not exist (a path on storage every node sees)")
-        return problems
+        return [f"train.{section}.{name}: {value} does not exist (a path on storage every node sees)"
+                for section, name, value in self._paths() if name != "cache_dir" and not Path(value).exists()]
+
+    def _paths(self) -> list[tuple[str, str, str]]:
+        """(section, name, value) of every path setting that is set (critic_init "actor" is not a path)."""
+        return [(section, name, value) for section, name in self.PATHS
+                if (value := getattr(getattr(self, section), name)) and not (name == "critic_init" and value == "actor")]
 
     def roles(self) -> list[str]:
         """The roles this configuration runs; the job spec must give each one resources."""
@@ -528,15 +526,15 @@ def model_at(root: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
         if model is None:
             return None
         if isinstance(part, str) and part in model.model_fields:
-            model = _model_in(model.model_fields[part].annotation)
+            model = model_in(model.model_fields[part].annotation)
     return model
 
 
-def _model_in(annotation) -> type[BaseModel] | None:
+def model_in(annotation) -> type[BaseModel] | None:
     """The model a field's type holds, directly or in a list, dict or union (one level of keys)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    return next(filter(None, map(_model_in, typing.get_args(annotation))), None)
+    return next(filter(None, map(model_in, typing.get_args(annotation))), None)
 
 
 def problem(err: dict, root: type[BaseModel], prefix: str = "") -> str:
