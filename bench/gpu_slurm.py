@@ -9,10 +9,12 @@
 In order, each alone on the machine:
 1. bare: the GRPO spec's layout without Slurm: one local Ray node per component, with the roles and GPU
    counts Slurm would give it (on one GPU every node names GPU 0), the driver in a process of its own,
-   --bare-steps steps. Its step times are what the Slurm run's are held against (same steps, same seed).
+   --bare-steps steps. Its step times are what the Slurm run's are held against (same steps, same seed),
+   and its metrics what the preempted run's are compared with, step by step (`against_uninterrupted`).
 2. learn: the GRPO spec through Slurm to --steps steps, held-out greedy accuracy every val_every steps.
-   At a random step in [--preempt-lo, --preempt-hi] (seeded by --seed, printed) an `urgent` job on the
-   actor's node preempts it: the job checkpoints, Slurm requeues it, it resumes from the committed step.
+   At a random step in [--preempt-lo, --preempt-hi] (seeded by --seed, printed; inside the bare run's
+   steps) an `urgent` job on the actor's node preempts it: the job checkpoints, Slurm requeues it, it
+   resumes from the committed step.
 3. kill: the PPO spec through Slurm, --kill-steps steps; at a random step the critic's process is killed
    (SIGKILL): its group is rebuilt on its node's GPU and the step completes.
 4. observe: `hpcrl status`, `logs` and `report` of the learn run, their output kept in WORK/observe/.
@@ -57,7 +59,7 @@ def overrides(args, steps: int) -> list[str]:
     data = [] if args.cpu else [f"train.model.path={args.model}", f"train.data.dataset={args.data / 'train.parquet'}",
                                 f"train.validation.dataset={args.data / 'test.parquet'}"]
     return [*data, *(CPU_SETTINGS if args.cpu else []), f"train.total_steps={steps}", f"train.seed={args.seed}",
-            "train.progress=true"]
+            "train.progress=true", *([] if args.cpu or args.val_every is None else [f"train.validation.every={args.val_every}"])]
 
 
 def records(run: Path) -> list[dict]:
@@ -265,6 +267,28 @@ def observe(run: Path, out: Path) -> dict:
 
 
 # ---------------------------------------------------------------- the table
+COMPARED = ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy")
+
+
+def against_uninterrupted(bare: list[dict], learn: list[dict], resumed_from: int | None) -> dict:
+    """The Slurm run, preempted and resumed, against the bare run, uninterrupted, step by step over the
+    steps both made: which steps are bitwise equal in COMPARED, and the largest difference before the
+    preemption and after the resume (before it, two uninterrupted runs: what the kernels alone change)."""
+    b = {r["step"]: r for r in bare if "reward/mean" in r}
+    s = {r["step"]: r for r in learn if "reward/mean" in r}
+    steps = sorted(set(b) & set(s))
+    equal = [k for k in steps if all(b[k].get(m) == s[k].get(m) for m in COMPARED)]
+
+    def widest(keep) -> dict:
+        return {m: max((abs((b[k].get(m) or 0.0) - (s[k].get(m) or 0.0)) for k in steps if keep(k)), default=None)
+                for m in COMPARED}
+    after = resumed_from if resumed_from is not None else max(steps, default=0)
+    return {"steps": [steps[0], steps[-1]] if steps else [], "resumed_from_step": resumed_from,
+            "bitwise_equal_steps": len(equal), "first_differing_step": next((k for k in steps if k not in equal), None),
+            "max_abs_diff_before_preemption": widest(lambda k: k <= after),
+            "max_abs_diff_after_resume": widest(lambda k: k > after)}
+
+
 def summary(result: dict, lo: int) -> dict:
     bare, learn = result["bare"]["records"], result["learn"]["records"]
     hi = max(r["step"] for r in bare if "reward/mean" in r)
@@ -274,8 +298,8 @@ def summary(result: dict, lo: int) -> dict:
     return {"steps_compared": [lo, hi], "bare_step_s": round(statistics.median(b), 4),
             "slurm_step_s": round(statistics.median(s), 4), "slurm_over_bare": round(statistics.median(s) / statistics.median(b), 3),
             "step1_reward_bare": first_bare["reward/mean"], "step1_reward_slurm": first_slurm["reward/mean"],
-            "reward_abs_diff_by_step": [round(abs(x["reward/mean"] - y["reward/mean"]), 4) for x, y in zip(
-                [r for r in bare if "reward/mean" in r], [r for r in learn if "reward/mean" in r])]}
+            "against_uninterrupted": against_uninterrupted(
+                bare, learn, result["learn"]["preemption"].get("resumed_from_step"))}
 
 
 def main() -> int:
@@ -286,12 +310,13 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "gpu_slurm.json")
     ap.add_argument("--cpu", action="store_true", help="tiny model and copy task: the path on a CPU machine")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=500, help="steps of the learn run")
+    ap.add_argument("--steps", type=int, default=400, help="steps of the learn run")
     ap.add_argument("--bare-steps", type=int, default=40)
     ap.add_argument("--compare-from", type=int, default=10, help="first step of the step-time comparison")
-    ap.add_argument("--preempt-lo", type=int, default=80)
-    ap.add_argument("--preempt-hi", type=int, default=250)
-    ap.add_argument("--kill-steps", type=int, default=30)
+    ap.add_argument("--preempt-lo", type=int, default=15)
+    ap.add_argument("--preempt-hi", type=int, default=30)
+    ap.add_argument("--kill-steps", type=int, default=20)
+    ap.add_argument("--val-every", type=int, help="held-out validation every N steps (default: the spec's; none with --cpu)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a job may take")
     ap.add_argument("--stages", default="bare,learn,kill,observe")
     ap.add_argument("--bare-driver", type=Path, help=argparse.SUPPRESS)
@@ -322,7 +347,7 @@ def main() -> int:
     if "bare" in result and "learn" in result:
         result["overhead"] = summary(result, args.compare_from)
     args.json.write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.get("overhead", {}).items() if k != "reward_abs_diff_by_step"}, indent=1))
+    print(json.dumps(result.get("overhead", {}), indent=1))
     for name in ("learn", "kill"):
         if name in result:
             r = result[name]
