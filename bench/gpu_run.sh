@@ -87,6 +87,8 @@ for stage in "$@"; do
            if [ ! -f /tmp/gpu-slurm/started ]; then
              rm -rf /tmp/hpcrl-src && mkdir -p /tmp/hpcrl-src
              tar --exclude=./.carry --exclude=./.whl --exclude=./.git -cf - . | tar -C /tmp/hpcrl-src -xf -
+             # uninstalled: templates/ and jobs/ are the packages hpcrl.templates and hpcrl.jobs as setup.cfg maps them
+             ln -s ../templates /tmp/hpcrl-src/hpcrl/templates && ln -s ../jobs /tmp/hpcrl-src/hpcrl/jobs
              (cd /tmp/hpcrl-src && PYTHONPATH=/tmp/site:/tmp/hpcrl-src setsid nohup python3 bench/gpu_slurm.py \
                 --model /tmp/smollm2 --data /tmp/carry/data --work /tmp/gpu-slurm --json /tmp/gpu-slurm/gpu_slurm.json \
                 ${SLURM_BENCH_ARGS:-} > /tmp/gpu-slurm/bench.log 2>&1 < /dev/null &)

@@ -55,10 +55,18 @@ def hpcrl(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return out
 
 
-def overrides(args, steps: int) -> list[str]:
+def cpu_settings(kind: str) -> list[str]:
+    """CPU_SETTINGS, and the GPU roles' mem within the CPU machine's 8 GB nodes."""
+    import yaml
+
+    roles = yaml.safe_load(SPECS[kind].read_text())["roles"]
+    return CPU_SETTINGS + [f"roles.{r}.mem=4G" for r, role in roles.items() if role.get("gpus_per_node")]
+
+
+def overrides(args, steps: int, kind: str = "grpo") -> list[str]:
     data = [] if args.cpu else [f"train.model.path={args.model}", f"train.data.dataset={args.data / 'train.parquet'}",
                                 f"train.validation.dataset={args.data / 'test.parquet'}"]
-    return [*data, *(CPU_SETTINGS if args.cpu else []), f"train.total_steps={steps}", f"train.seed={args.seed}",
+    return [*data, *(cpu_settings(kind) if args.cpu else []), f"train.total_steps={steps}", f"train.seed={args.seed}",
             "train.progress=true", *([] if args.cpu or args.val_every is None else [f"train.validation.every={args.val_every}"])]
 
 
@@ -80,6 +88,14 @@ def train_seconds(r: dict) -> float:
 def step_times(recs: list[dict], lo: int, hi: int) -> list[float]:
     """Each step's time less its validation, for steps lo..hi (the steps before lo compile)."""
     return [train_seconds(r) for r in recs if "reward/mean" in r and lo <= r["step"] <= hi]
+
+
+def wall_times(recs: list[dict], lo: int, hi: int) -> list[float]:
+    """Seconds from one step's record to the next, for the steps lo..hi that validated nothing: the
+    step and everything between steps (snapshots, checkpoints, status)."""
+    steps = [r for r in recs if "reward/mean" in r]
+    return [b["time"] - a["time"] for a, b in zip(steps, steps[1:])
+            if lo <= b["step"] <= hi and b["step"] == a["step"] + 1 and not b.get("timing/validate")]
 
 
 # ---------------------------------------------------------------- 1. bare: the same layout without Slurm
@@ -136,7 +152,7 @@ class Job:
         self.run = args.work / name
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.submitted = time.time()
-        out = hpcrl("submit", str(SPECS[kind]), "--run-dir", str(self.run), *overrides(args, steps))
+        out = hpcrl("submit", str(SPECS[kind]), "--run-dir", str(self.run), *overrides(args, steps, kind))
         self.job_id = json.loads((self.run / "job.json").read_text())["job_id"]
         self.steps, self.running_at = steps, None
         say(f"{name}: job {self.job_id} submitted ({out.stdout.strip().splitlines()[-1]})")
@@ -295,8 +311,11 @@ def summary(result: dict, lo: int) -> dict:
     b, s = step_times(bare, lo, hi), step_times(learn, lo, hi)
     first_bare = next(r for r in bare if "reward/mean" in r)
     first_slurm = next(r for r in learn if "reward/mean" in r)
+    wb, ws = statistics.median(wall_times(bare, lo, hi)), statistics.median(wall_times(learn, lo, hi))
     return {"steps_compared": [lo, hi], "bare_step_s": round(statistics.median(b), 4),
             "slurm_step_s": round(statistics.median(s), 4), "slurm_over_bare": round(statistics.median(s) / statistics.median(b), 3),
+            "bare_wall_per_step_s": round(wb, 4), "slurm_wall_per_step_s": round(ws, 4),
+            "slurm_over_bare_wall": round(ws / wb, 3),
             "step1_reward_bare": first_bare["reward/mean"], "step1_reward_slurm": first_slurm["reward/mean"],
             "against_uninterrupted": against_uninterrupted(
                 bare, learn, result["learn"]["preemption"].get("resumed_from_step"))}

@@ -75,20 +75,18 @@ class RoleCheckpoints:
         self.sizes.update({r: files[r]["bytes"] for r in fresh})
         self.on_commit(step, sum(files[r]["bytes"] for r in fresh), time.perf_counter() - t0)
 
-    def take_snapshots(self, step: int) -> int:
+    def take_snapshots(self, step: int) -> dict[str, int]:
         """Every role that trains keeps its state of `step` in host memory (a snapshot replaces the
-        one before it, once made); the bytes kept. Waited for: issued and left to run beside the next
+        one before it, once made); role -> the bytes kept. Waited for: issued and left to run beside the next
         step, it would hold two snapshots in the object store through every step, not for an instant."""
         roles = [r for r in self.groups if not self.frozen[r]]
         held = {r: self.groups[r].calls_issued() for r in roles}
         futures = {r: self.groups[r].snapshot_state.future() for r in roles}
-        kept = 0
         for role, f in futures.items():
             self.sizes[role] = sum(f.result())      # the sizes: the states stay where they were made
-            kept += self.sizes[role]
             self.snapshots[role] = (step, f.kept[0])
             self.groups[role].forget_calls(held[role])
-        return kept
+        return {r: self.sizes[r] for r in roles}
 
     def resume(self) -> tuple[int, dict, int, list] | None:
         """Load every role from the newest good step: (step, the driver's state, bytes read, the

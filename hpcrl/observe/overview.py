@@ -137,4 +137,5 @@ def format_status(st: dict) -> str:
     if snap:
         lines.append(f"snapshot: step {snap['step']}, {snap['bytes'] / 1e6:.1f} MB in the roles' nodes' memory "
                      f"(taken in {snap['seconds']:.2f} s): a rebuilt role goes on from there")
+        lines += [f"  warning: {w}" for w in snap.get("spills", [])]
     return "\n".join(lines)

@@ -44,10 +44,10 @@ class RunStatus:
         self.doc.update(state="running", step=step, phase=phase, phase_since=time.time())
         self.write()
 
-    def snapshotted(self, step: int, nbytes: int, seconds: float) -> None:
+    def snapshotted(self, step: int, nbytes: int, seconds: float, spills: list[str] = ()) -> None:
         """The training roles' newest snapshot: the state a rebuilt role takes back (written with the
-        next phase: one write less a step)."""
-        self.doc["last_snapshot"] = {"step": step, "bytes": nbytes, "seconds": round(seconds, 3)}
+        next phase: one write less a step); `spills`: where it does not fit in memory."""
+        self.doc["last_snapshot"] = {"step": step, "bytes": nbytes, "seconds": round(seconds, 3), "spills": list(spills)}
 
     def validated(self, step: int, scores: dict[str, float]) -> None:
         """The newest validation's scores (val/score, per data source, response lengths)."""

@@ -343,12 +343,14 @@ class CheckpointSettings(Settings):
     """how a data-parallel role of several ranks writes its file. parallel: all its ranks write one
     file together (parallel HDF5; needs h5py built with MPI and a Slurm job to run the writers as a
     step of); serial: rank 0 writes it; auto: parallel where possible, else serial"""
-    snapshot_every: Count = 1
+    snapshot_every: Count | Literal["auto"] = "auto"
     """steps between snapshots of the training roles' state (weights, optimizer, RNG: what their
     checkpoint holds) in host memory, in the object store of each role's rank 0 node. A role whose
     process dies is rebuilt from its newer snapshot or committed checkpoint, and the updates made
-    since are made again: it goes on with exactly the state it had. 0: no snapshots (a rebuilt role
-    then replays every update since the newest checkpoint; the driver keeps their batches)"""
+    since are made again: it goes on with exactly the state it had. auto: as often as keeps the
+    snapshots under 5% of the wall time (on a GPU a snapshot can take longer than a step). 0: no
+    snapshots (a rebuilt role then replays every update since the newest checkpoint; the driver
+    keeps their batches)"""
 
 
 class LayoutSettings(Settings):

@@ -28,6 +28,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from hpcrl.checkpoint.cadence import SnapshotCadence
 from hpcrl.checkpoint.commit import RoleCheckpoints
 from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.controller import ResourcePoolError, WorkerGroup, follow_nodes
@@ -83,6 +84,24 @@ class _Renamed:
         return self.score.keep(self.pending.result())
 
 
+def snapshots_spill(groups: dict[str, WorkerGroup], sizes: dict[str, int]) -> list[str]:
+    """The nodes whose Ray object store cannot hold the snapshots kept there, twice (for an instant a
+    new one sits beside the last): Ray writes each to disk then, and every step waits on the write.
+    Under Slurm a node's object store is 30% of its component's `mem`."""
+    import ray
+
+    capacity = {n["NodeManagerAddress"]: n["Resources"].get("object_store_memory", 0) for n in ray.nodes() if n["Alive"]}
+    kept: dict[str, list[str]] = {}
+    for role, size in sizes.items():
+        if size:
+            kept.setdefault(groups[role].describe()["ranks"][0]["node_ip"], []).append(role)
+    return [f"the snapshots of {', '.join(roles)} ({need / 1e9:.2f} GB, twice while one replaces the last) do not fit in "
+            f"the object store of {ip} ({capacity[ip] / 1e9:.2f} GB): Ray spills them to disk at every snapshot; give "
+            f"the component more mem (its object store is 30% of it) or set train.checkpoint.snapshot_every"
+            for ip, roles in kept.items() if ip in capacity
+            and 2 * (need := sum(sizes[r] for r in roles)) > capacity[ip]]
+
+
 def weighted_scores(batch: Batch, scorers: list[Scorer]) -> torch.Tensor:
     """Σ weight × score/<role>: a sample's score (one term of weight 1 gives its scores exactly)."""
     total = None
@@ -136,6 +155,8 @@ class RunContext:
         self.checkpoints = RoleCheckpoints(CheckpointStore(self.run_dir, cfg.checkpoint.keep_last, cfg.checkpoint.keep_every),
                                            {r: g for r, g in self.groups.items() if r != "rollout"},
                                            cfg.checkpoint.async_save, self._committed)
+        self.snapshot_cadence = SnapshotCadence(cfg.checkpoint.snapshot_every)
+        self.snapshot_spills: list[str] | None = None    # checked at the first snapshot
         self.generating: Callable[[], list[int]] = lambda: []
         for role, wg in self.groups.items():
             if role != "rollout":
@@ -199,7 +220,7 @@ class RunContext:
     def end_step(self, step: int, state: dict | None = None, inflight: Callable[[], list] = list) -> str | None:
         """After each step: the checkpoint train: asks for (every save_every steps, in the
         background with async_save; after the last step with save_last) and the one a stop request
-        asks for, then the stop; else the roles' snapshots (every snapshot_every steps: the state a
+        asks for, then the stop; else the roles' snapshots (as snapshot_every says: the state a
         rebuilt role takes back) and the elastic roles follow their nodes (follow_nodes). Returns
         why to stop now (return it from the driver), or None. `inflight()`: the batches made ahead
         of `step`, collected only when a checkpoint is taken."""
@@ -212,10 +233,16 @@ class RunContext:
         if reason:
             return self.stopped(step, reason)
         # a committed file is a rebuilt role's way back as well: no snapshot of the same step beside it
-        if cfg.checkpoint.snapshot_every and step % cfg.checkpoint.snapshot_every == 0 and step < cfg.total_steps and \
+        if self.snapshot_cadence.due(step) and step < cfg.total_steps and \
                 not (saved and not (background and cfg.checkpoint.async_save)):
             t0 = time.perf_counter()
-            self.status.snapshotted(step, self.checkpoints.take_snapshots(step), time.perf_counter() - t0)
+            kept = self.checkpoints.take_snapshots(step)
+            self.snapshot_cadence.took(time.perf_counter() - t0)
+            if self.snapshot_spills is None:
+                self.snapshot_spills = snapshots_spill(self.groups, kept)
+                for warning in self.snapshot_spills:
+                    print(f"{now()} warning: {warning}", flush=True)
+            self.status.snapshotted(step, sum(kept.values()), self.snapshot_cadence.cost, self.snapshot_spills)
         self.follow_nodes()
         return None
 
