@@ -88,21 +88,140 @@ def test_grpo_advantages():
     close(algo.grpo_advantages(t(scores[:1]), torch.tensor([5]), t(np.ones((1, 2)))), np.zeros((1, 2)))
 
 
+MAX_LEN = 16      # the longest a response may be, for seq-mean-token-sum-norm (not the padded width T)
+
+
+def seeded(seed):
+    """A generator of its own per test: its inputs do not depend on which tests ran before."""
+    return np.random.default_rng(seed)
+
+
+def close_given(a, b, **inputs):
+    """close(a, b), the inputs printed when it fails."""
+    np.testing.assert_allclose(np.asarray(a, dtype=np.float64), b, atol=1e-6, rtol=1e-6,
+                               err_msg="inputs:\n" + "\n".join(f"{k} = {np.array2string(np.asarray(v), precision=4)}"
+                                                                for k, v in inputs.items()))
+
+
+GROUPS = np.array([0, 0, 0, 1, 1, 2, 2, 2, 3])      # a group of 1 (3) has nothing to compare with
+
+
+def test_grpo_advantages_without_the_std_are_dr_grpos():
+    scores = seeded(11).normal(size=9)
+    mask = prefix_mask([9, 7, 3, 1, 5, 8, 2, 4, 6])
+    expected = np.zeros(9)
+    for g in np.unique(GROUPS):
+        s = scores[GROUPS == g]
+        expected[GROUPS == g] = s - s.mean() if len(s) > 1 else 0.0
+    close_given(algo.grpo_advantages(t(scores), torch.tensor(GROUPS), t(mask), norm_by_std=False),
+                expected[:, None] * mask, scores=scores)
+
+
+def test_rloo_advantages():
+    scores = seeded(12).normal(size=9)
+    mask = prefix_mask([9, 7, 3, 1, 5, 8, 2, 4, 6])
+    expected = np.zeros(9)
+    for i in range(9):
+        others = [scores[j] for j in range(9) if GROUPS[j] == GROUPS[i] and j != i]
+        expected[i] = scores[i] - sum(others) / len(others) if others else 0.0
+    close_given(algo.rloo_advantages(t(scores), torch.tensor(GROUPS), t(mask)), expected[:, None] * mask,
+                scores=scores)
+
+
+def ref_whiten(x, m):
+    vals = x[m > 0]
+    return (x - vals.mean()) / np.sqrt(vals.var(ddof=1) + 1e-8) * m
+
+
+@pytest.mark.parametrize("mask", [prefix_mask([9, 7, 3, 1, 5, 8]), holey_mask()], ids=["prefix", "holes"])
+def test_reinforce_pp_advantages_are_whitened_discounted_returns(mask):
+    r, gamma = seeded(13).normal(size=(B, T)), 0.9
+    returns = np.zeros((B, T))
+    for i in range(B):
+        valid = [j for j in range(T) if mask[i, j]]
+        for k, j in enumerate(valid):
+            returns[i, j] = sum(gamma ** n * r[i, jj] for n, jj in enumerate(valid[k:]))
+    close_given(algo.discounted_returns(t(r), t(mask), gamma), returns, rewards=r, mask=mask)
+    close_given(algo.reinforce_pp_advantages(t(r), t(mask), gamma), ref_whiten(returns, mask), rewards=r, mask=mask)
+
+
+def test_reinforce_pp_baseline_advantages():
+    scores = seeded(14).normal(size=9)
+    mask = prefix_mask([9, 7, 3, 1, 5, 8, 2, 4, 6])
+    centred = np.array([scores[i] - scores[GROUPS == GROUPS[i]].mean() for i in range(9)])
+    close_given(algo.reinforce_pp_baseline_advantages(t(scores), torch.tensor(GROUPS), t(mask)),
+                ref_whiten(centred[:, None] * mask, mask), scores=scores)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_gspo_clips_one_sequence_ratio_and_gives_each_token_its_gradient(mode):
+    gen = seeded(15)
+    lp, old = gen.normal(size=(B, T)) * 0.02, gen.normal(size=(B, T)) * 0.02
+    adv, m = np.repeat(gen.normal(size=(B, 1)), T, axis=1), holey_mask()
+    lo, hi = 3e-3, 4e-3
+    s = np.array([np.exp(sum(lp[i, j] - old[i, j] for j in range(T) if m[i, j]) / m[i].sum()) for i in range(B)])
+    ratio = np.repeat(s[:, None], T, axis=1)
+    l1, l2 = -adv * ratio, -adv * np.clip(ratio, 1 - lo, 1 + hi)
+    # d loss / d log π_t: −A·s_i where the unclipped term is taken, 0 where the clip holds it
+    grad = np.where(l2 > l1, 0.0, -adv * ratio) * m
+    if mode == "token-mean":
+        expected, grad = (np.maximum(l1, l2) * m).sum() / m.sum(), grad / m.sum()
+    else:
+        expected = np.mean([(np.maximum(l1, l2)[i] * m[i]).sum() / m[i].sum() for i in range(B)])
+        grad = grad / m.sum(axis=1, keepdims=True) / B
+    lp_t = t(lp).requires_grad_()
+    loss, stats = algo.policy_loss(lp_t, t(old), t(adv), t(m), lo, hi, agg=mode, importance="sequence")
+    loss.backward()
+    close_given(loss.detach(), expected, log_probs=lp, old_log_probs=old, advantages=adv[:, 0])
+    close_given(lp_t.grad, grad, log_probs=lp, old_log_probs=old, advantages=adv[:, 0])
+    close_given(stats["clipfrac"], ((l2 > l1) * m).sum() / m.sum(), log_probs=lp, old_log_probs=old)
+    assert 0 < stats["clipfrac"] < 1       # the inputs clip some responses and not others
+
+
+def test_overlong_penalty_is_dapos():
+    max_len, buffer, factor = 10, 4, 0.5
+
+    def dapo(n):
+        if n <= max_len - buffer:
+            return 0.0
+        if n <= max_len:
+            return (max_len - buffer - n) / buffer
+        return -1.0
+    lengths = np.arange(0, 13)
+    close_given(algo.overlong_penalty(t(lengths), max_len, buffer, factor), [factor * dapo(n) for n in lengths],
+                lengths=lengths)
+    with pytest.raises(ValueError, match="overlong buffer"):
+        algo.overlong_penalty(t(lengths), max_len, 11, factor)
+
+
+def test_dynamic_sampling_keeps_the_groups_whose_scores_differ():
+    scores = np.array([1.0, 1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.2])
+    expected = [len(set(scores[GROUPS == GROUPS[i]])) > 1 for i in range(9)]
+    assert algo.varied_groups(t(scores), torch.tensor(GROUPS)).tolist() == expected == [False] * 3 + [True] * 2 + [False] * 4
+
+
 def ref_agg(loss, m, mode):
     if mode == "token-mean":
         return (loss * m).sum() / m.sum()
     if mode == "seq-mean-token-sum":
         return np.mean([(loss[i] * m[i]).sum() for i in range(len(m))])
+    if mode == "seq-mean-token-sum-norm":
+        return np.mean([(loss[i] * m[i]).sum() / MAX_LEN for i in range(len(m))])
     return np.mean([(loss[i] * m[i]).sum() / m[i].sum() for i in range(len(m))])
 
 
 @pytest.mark.parametrize("mode", algo.losses.AGG_MODES)
 def test_aggregation_and_its_invariance_to_micro_batching(mode):
     loss, m = rng.normal(size=(B, T)), prefix_mask([9, 7, 3, 1, 5, 8])
-    close(algo.aggregate(t(loss), t(m), mode), ref_agg(loss, m, mode))
+    close(algo.aggregate(t(loss), t(m), mode, max_length=MAX_LEN), ref_agg(loss, m, mode))
     # three micro-batches with the mini-batch's totals add up to the whole
-    parts = sum(float(algo.aggregate(t(loss[i:i + 2]), t(m[i:i + 2]), mode, m.sum(), B)) for i in range(0, B, 2))
+    parts = sum(float(algo.aggregate(t(loss[i:i + 2]), t(m[i:i + 2]), mode, m.sum(), B, MAX_LEN)) for i in range(0, B, 2))
     close(parts, ref_agg(loss, m, mode))
+
+
+def test_the_length_normalised_aggregation_needs_the_longest_length():
+    with pytest.raises(ValueError, match="max_length"):
+        algo.aggregate(t(np.ones((2, 3))), t(np.ones((2, 3))), "seq-mean-token-sum-norm")
 
 
 @pytest.mark.parametrize("dual", [None, 3.0])

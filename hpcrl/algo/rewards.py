@@ -1,4 +1,5 @@
-"""From sampled tokens and a sequence score to per-token rewards."""
+"""From sampled tokens and a sequence score to per-token rewards; the shaping and filtering of
+scores before advantages (DAPO)."""
 from __future__ import annotations
 
 import torch
@@ -36,3 +37,26 @@ def token_level_rewards(scores: torch.Tensor, kl: torch.Tensor | None, mask: tor
     rows = torch.arange(mask.shape[0], device=mask.device)
     rewards[rows, last_token_index(mask)] += scores
     return rewards
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's overlong reward shaping (Yu et al. 2025): a response within `buffer` tokens of the
+    longest allowed (L_max = max_length) loses up to `factor`, linearly in how far it reaches in:
+
+        R(|y|) = factor · clip((L_max − buffer − |y|) / buffer, −1, 0)
+
+    0 up to L_max − buffer tokens, −factor at L_max; added to the scores."""
+    if not 0 < buffer <= max_length:
+        raise ValueError(f"the overlong buffer must be in 1..{max_length} (the longest response), got {buffer}")
+    return factor * ((max_length - buffer - lengths.to(torch.float32)) / buffer).clamp(-1.0, 0.0)
+
+
+def varied_groups(scores: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """DAPO's dynamic sampling filter: True for the responses whose group's scores are not all equal.
+    A group of equal scores (all right, all wrong) has no advantage against itself, so it only adds
+    tokens that dilute the others' gradient."""
+    keep = torch.zeros_like(group, dtype=torch.bool)
+    for g in torch.unique(group):
+        sel = group == g
+        keep[sel] = bool(scores[sel].max() > scores[sel].min())
+    return keep
