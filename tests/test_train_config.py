@@ -20,7 +20,7 @@ SHIPPED = sorted((ROOT / "jobs").glob("*.yaml"))
 
 def test_every_flat_key_of_earlier_releases_names_one_field_of_a_section():
     paths = list(FLAT_KEYS.values())
-    assert len(paths) == len(set(paths)) == 77         # the 80 flat settings less seed, total_steps, progress
+    assert len(paths) == len(set(paths)) == 82         # 80 flat settings less seed, total_steps, progress; 5 of the algorithm menu
     for flat, path in FLAT_KEYS.items():
         section, name = path.split(".")
         assert name in type(getattr(TrainConfig(), section)).model_fields, (flat, path)
@@ -57,8 +57,24 @@ def test_every_problem_names_its_section_and_field():
         TrainConfig.parse({"algorithm": {"advantage": "grpo"}, "data": {"batch_size": 6}, "optim": {"mini_batch_size": 4,
                                                                                                   "micro_batch_size": 4}})
     assert e.value.problems == [
-        "train.rollout.n_samples: GRPO needs ≥ 2 responses per prompt to normalise against",
+        "train.rollout.n_samples: advantage grpo needs ≥ 2 responses per prompt to compare against",
         "train.optim.mini_batch_size: 4 does not divide data.batch_size × rollout.n_samples = 6"]
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "reinforce_pp_baseline"])
+def test_the_algorithm_menus_group_settings_need_a_group(advantage):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.parse({"algorithm": {"advantage": advantage, "dynamic_sampling": True, "overlong_buffer": 4},
+                           "rollout": {"max_new_tokens": 3}})
+    assert e.value.problems == [
+        f"train.rollout.n_samples: advantage {advantage} needs ≥ 2 responses per prompt to compare against",
+        "train.rollout.n_samples: algorithm.dynamic_sampling needs ≥ 2 responses per prompt (a group of one always "
+        "has equal scores)",
+        "train.algorithm.overlong_buffer: 4 is longer than rollout.max_new_tokens 3"]
+    # REINFORCE++ compares with the batch, not a group; GSPO's small clip ranges are valid
+    cfg = TrainConfig.parse({"algorithm": {"advantage": "reinforce_pp", "policy_loss": "gspo", "clip_low": 3e-4,
+                                           "clip_high": 4e-4}})
+    assert not cfg.algorithm.uses_critic and "critic" not in cfg.roles()
 
 
 def test_updated_changes_a_section_keeping_its_other_fields_and_checks_the_result():

@@ -239,10 +239,15 @@ Estimator = Literal["k1", "k2", "k3"]
 
 class AlgorithmSettings(Settings):
     """Advantages, KL and the losses (hpcrl/algo/ has each formula)."""
-    advantage: Literal["gae", "grpo"] = "gae"
-    """"gae" (with the critic) or "grpo" (group-normalised scores, no critic)"""
+    advantage: Literal["gae", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
+    """how advantages are estimated (docs: algorithms/menu.md). gae: with the critic; the others need
+    none. grpo: each score against its group's mean and std; rloo: against the mean of the group's
+    other scores; reinforce_pp: the discounted returns of the token rewards, whitened over the batch;
+    reinforce_pp_baseline: the group mean taken off each score, then whitened over the batch"""
+    grpo_std_normalize: bool = True
+    """grpo: divide by the group's std (false: Dr.GRPO, only the group mean taken off)"""
     gamma: Fraction = 1.0
-    """discount"""
+    """discount (gae, reinforce_pp)"""
     lam: Fraction = 0.95
     """GAE λ"""
     whiten_advantages: bool = True
@@ -271,8 +276,23 @@ class AlgorithmSettings(Settings):
     """value clip around the old values (0: off)"""
     entropy_coef: Annotated[float, Field(ge=0)] = 0.01
     """entropy bonus"""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    """how token losses become the loss: the mean over all tokens, or over sequences of each one's sum or mean"""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = \
+        "token-mean"
+    """how token losses become the loss: the mean over all tokens, or over sequences of each one's sum,
+    its mean, or its sum divided by `rollout.max_new_tokens` (seq-mean-token-sum-norm: Dr.GRPO)"""
+    policy_loss: Literal["vanilla", "gspo"] = "vanilla"
+    """vanilla: PPO's clipped surrogate with token-level ratios; gspo: GSPO's sequence-level ratio
+    (the geometric mean of the response's token ratios), clipped by clip_low/clip_high (GSPO uses
+    ranges like 3e-4/4e-4)"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: drop the groups whose scores (`reward.scorers`, before any penalty)
+    are all equal before the advantages; the step trains on the rest (`batch/kept_groups`), or skips
+    its updates when none is left. The batch is not refilled to its size by generating more"""
+    overlong_buffer: Count = 0
+    """> 0: DAPO's overlong reward shaping: a response within this many tokens of
+    `rollout.max_new_tokens` loses up to overlong_penalty from its score, linearly (0: off)"""
+    overlong_penalty: Annotated[float, Field(ge=0)] = 1.0
+    """the most a response of `rollout.max_new_tokens` tokens loses with overlong_buffer"""
     tis_cap: Annotated[float, Field(ge=0)] = 0.0
     """> 0: truncated importance sampling (verl's TIS): each token's policy loss is weighted by
     min(π_actor/π_rollout, tis_cap) of its old log-probs, which corrects for the sampler's weights
@@ -284,6 +304,9 @@ class AlgorithmSettings(Settings):
         if 0 < v <= 1:
             raise ValueError(f"{v} is out of range; it must be > 1, or 0 (off)")
         return v
+
+    GROUP_ADVANTAGES: ClassVar[tuple[str, ...]] = ("grpo", "rloo", "reinforce_pp_baseline")
+    """the estimators that compare each response with the others to its prompt"""
 
     @property
     def uses_critic(self) -> bool:
@@ -430,8 +453,16 @@ class TrainConfig(Settings):
     def problems(self) -> list[str]:
         """What spans sections (each section checks itself); every problem names one field."""
         p = []
-        if self.algorithm.advantage == "grpo" and self.rollout.n_samples < 2:
-            p.append("rollout.n_samples: GRPO needs ≥ 2 responses per prompt to normalise against")
+        if self.rollout.n_samples < 2:
+            if self.algorithm.advantage in self.algorithm.GROUP_ADVANTAGES:
+                p.append(f"rollout.n_samples: advantage {self.algorithm.advantage} needs ≥ 2 responses per prompt "
+                         "to compare against")
+            if self.algorithm.dynamic_sampling:
+                p.append("rollout.n_samples: algorithm.dynamic_sampling needs ≥ 2 responses per prompt (a group of "
+                         "one always has equal scores)")
+        if self.algorithm.overlong_buffer > self.rollout.max_new_tokens:
+            p.append(f"algorithm.overlong_buffer: {self.algorithm.overlong_buffer} is longer than "
+                     f"rollout.max_new_tokens {self.rollout.max_new_tokens}")
         per_step = self.data.batch_size * self.rollout.n_samples
         if per_step % self.optim.mini_batch_size:
             p.append(f"optim.mini_batch_size: {self.optim.mini_batch_size} does not divide data.batch_size × "

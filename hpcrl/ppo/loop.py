@@ -7,7 +7,8 @@ Per step:
                   ├─► critic.compute_values             } processes and nodes; the batch goes
                   └─► reward.compute_scores             } rank to rank, not via the driver
                       (and every term of train.reward.scorers: your own roles' scoring methods, weighted)
-    advantages on the driver (KL-shaped token rewards, GAE or GRPO)
+    advantages on the driver (shaped scores, KL-shaped token rewards, then GAE or a critic-free
+    estimator: algorithm.advantage), of the groups dynamic sampling keeps
     critic.update_critic ─► actor_rollout.update_actor (after critic_warmup) ─► weights to rollout
     every val_every steps: the held-out prompts answered and scored (hpcrl/ppo/validation.py)
 
@@ -116,25 +117,47 @@ def build_worker_groups(cfg: TrainConfig, model_dir: Path, run_dir: Path,
 
 
 def compute_advantages(batch: Batch, cfg: TrainConfig, kl_ctl) -> dict:
-    """Adds token_rewards, advantages, returns to batch; returns the KL metrics."""
-    mask = batch["response_mask"].float()
+    """Adds token_rewards, advantages, returns to batch; returns the KL metrics. The scores are
+    shaped first: reward.missing_eos_penalty, and DAPO's overlong penalty with algorithm.overlong_buffer."""
+    algorithm, mask = cfg.algorithm, batch["response_mask"].float()
     scores = batch["scores"].float() - cfg.reward.missing_eos_penalty * (~batch["has_eos"]).float()
+    if algorithm.overlong_buffer:
+        scores = scores + algo.overlong_penalty(mask.sum(dim=1), cfg.rollout.max_new_tokens, algorithm.overlong_buffer,
+                                                algorithm.overlong_penalty)
     kl = None
-    if cfg.algorithm.uses_ref:
-        kl = algo.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], cfg.algorithm.kl_estimator) * mask
-    beta = kl_ctl.value if cfg.algorithm.kl_in_reward else 0.0
+    if algorithm.uses_ref:
+        kl = algo.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algorithm.kl_estimator) * mask
+    beta = kl_ctl.value if algorithm.kl_in_reward else 0.0
     rewards = algo.token_level_rewards(scores, kl, mask, beta)
-    if cfg.algorithm.advantage == "gae":
-        adv, ret = algo.gae(rewards, batch["values"], mask, cfg.algorithm.gamma, cfg.algorithm.lam)
-        if cfg.algorithm.whiten_advantages:
+    if algorithm.advantage == "gae":
+        adv, ret = algo.gae(rewards, batch["values"], mask, algorithm.gamma, algorithm.lam)
+        if algorithm.whiten_advantages:
             adv = algo.masked_whiten(adv, mask)
-    else:
-        adv = algo.grpo_advantages(rewards.sum(dim=1), torch.as_tensor(batch["group"].astype(np.int64)), mask)
+    else:       # no critic: the advantages stand in for the returns
+        outcome = rewards.sum(dim=1)
+        adv = {"grpo": lambda: algo.grpo_advantages(outcome, _groups(batch), mask, norm_by_std=algorithm.grpo_std_normalize),
+               "rloo": lambda: algo.rloo_advantages(outcome, _groups(batch), mask),
+               "reinforce_pp": lambda: algo.reinforce_pp_advantages(rewards, mask, algorithm.gamma),
+               "reinforce_pp_baseline": lambda: algo.reinforce_pp_baseline_advantages(outcome, _groups(batch), mask),
+               }[algorithm.advantage]()
         ret = adv
     batch["token_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
     current_kl = float(algo.masked_mean(kl, mask)) if kl is not None else 0.0
     kl_ctl.update(current_kl, len(batch))
-    return {"kl": current_kl, "kl_coef": beta if cfg.algorithm.kl_in_reward else cfg.algorithm.kl_coef}
+    return {"kl": current_kl, "kl_coef": beta if algorithm.kl_in_reward else algorithm.kl_coef}
+
+
+def groups_to_train(batch: Batch, cfg: TrainConfig) -> Batch:
+    """The samples the step trains on: all of them, or with algorithm.dynamic_sampling those of the
+    groups whose scores differ (DAPO; the batch is not refilled to its size)."""
+    if not cfg.algorithm.dynamic_sampling:
+        return batch
+    return batch.index(algo.varied_groups(batch["scores"].float(), _groups(batch)))
+
+
+def _groups(batch: Batch) -> torch.Tensor:
+    """Each sample's prompt group (the Lookahead numbers them when rollout.n_samples > 1)."""
+    return torch.as_tensor(batch["group"].astype(np.int64))
 
 
 def pad_for_ranks(batch: Batch, world_size: int) -> Batch:
@@ -216,8 +239,8 @@ def failure(e: BaseException) -> dict:
 
 
 def ppo(ctx: RunContext) -> str | None:
-    """The built-in loop (PPO with GAE, or GRPO), sequential or pipelined as cfg.rollout.pipeline
-    says; a driver of your own starts as a copy of it."""
+    """The built-in loop (PPO with GAE, or a critic-free estimator: docs/pages/algorithms/menu.md),
+    sequential or pipelined as cfg.rollout.pipeline says; a driver of your own starts as a copy of it."""
     cfg, groups, status = ctx.cfg, ctx.groups, ctx.status
     actor, critic, ref, rollout = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "rollout"))
     pipelined = cfg.rollout.pipeline == "one_step_off"
@@ -263,19 +286,21 @@ def ppo(ctx: RunContext) -> str | None:
                 batch = batch.union(f.result())
             batch["scores"] = weighted_scores(batch, cfg.reward.terms())
 
-        # 2. advantages, on the driver
+        # 2. advantages, on the driver, of the samples the step trains on
         with timer("advantage"):
-            kl_metrics = compute_advantages(batch, cfg, kl_ctl)
+            trained = groups_to_train(batch, cfg)
+            kl_metrics = compute_advantages(trained, cfg, kl_ctl)
 
         # 3. updates: critic first, then actor, then the new weights to the generating engine (one
-        # after the other: at once they would contend for the cores of a shared host)
+        # after the other: at once they would contend for the cores of a shared host); none when
+        # dynamic sampling left nothing to train on
         trained_with, critic_stats, actor_stats = weights.version, {}, {}
-        if critic:
+        if critic and len(trained):
             with timer("update_critic"):
-                critic_stats = critic.update_critic(pad_for_ranks(batch, critic.world_size))[0]
-        if step > cfg.optim.critic_warmup:
+                critic_stats = critic.update_critic(pad_for_ranks(trained, critic.world_size))[0]
+        if step > cfg.optim.critic_warmup and len(trained):
             with timer("update_actor"):
-                actor_stats = actor.update_actor(pad_for_ranks(batch, actor.world_size))[0]
+                actor_stats = actor.update_actor(pad_for_ranks(trained, actor.world_size))[0]
             with timer("sync_weights"):
                 weights.send(step, wait=not pipelined)
 
@@ -285,7 +310,7 @@ def ppo(ctx: RunContext) -> str | None:
                                                                   or step == cfg.total_steps):
             with timer("validate"):
                 val_scores = ctx.validate(step)
-        record = step_record(step, batch, [s.role for s in cfg.reward.terms()], kl_metrics, actor_stats,
+        record = step_record(step, batch, trained, [s.role for s in cfg.reward.terms()], kl_metrics, actor_stats,
                              critic_stats if critic else None, trained_with, timer.times,
                              time.perf_counter() - t_step, train_s, val_scores)
         ctx.log(record)

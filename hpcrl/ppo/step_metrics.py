@@ -13,6 +13,7 @@ import re
 import time
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from hpcrl import algo
@@ -56,6 +57,10 @@ METRICS: dict[str, Metric] = {
     "critic/vf_explained_var": Metric("", "1 − Var(returns − values) / Var(returns) over the response tokens, the "
                                           "values being the critic's before its update (1: it predicts the returns); "
                                           "NaN when the returns are all equal; null without a critic"),
+    "batch/kept_groups": Metric("groups", "prompt groups (a prompt and its `train.rollout.n_samples` responses) the "
+                                          "step trained on: all of the batch's, unless "
+                                          "`train.algorithm.dynamic_sampling` dropped those whose scores were all "
+                                          "equal (0: the step made no update)"),
     "policy/version": Metric("step", "the step whose actor update made the weights that sampled the batch (0: the "
                                      "initial weights)"),
     "policy/lag": Metric("updates", "how many updates older the sampling weights are than the actor the batch "
@@ -114,9 +119,10 @@ def explained_variance(values, returns, mask) -> float:
     return float(1 - torch.var(returns[m] - values[m]) / var) if var > 0 else float("nan")
 
 
-def step_record(step: int, batch: Batch, terms: list[str], kl: dict, actor: dict, critic: dict | None,
+def step_record(step: int, batch: Batch, trained: Batch, terms: list[str], kl: dict, actor: dict, critic: dict | None,
                 trained_with: int, times: dict[str, float], step_s: float, train_s: float, val: dict) -> dict:
-    """The metrics of one step (METRICS): from its batch after the updates, the scoring `terms`
+    """The metrics of one step (METRICS): from its batch after the updates and the part of it
+    `trained` on (all of it unless dynamic sampling dropped groups), the scoring `terms`
     (roles), the KL controller's `kl`, the actor's and critic's update statistics (critic None:
     there is none), the policy version the actor trained from, the phases' `times`, the step's
     seconds with and without validation, and the validation's scores."""
@@ -131,8 +137,9 @@ def step_record(step: int, batch: Batch, terms: list[str], kl: dict, actor: dict
             "actor/entropy": float(algo.masked_mean(batch["entropy"], mask)),
             "actor/approx_kl": actor.get("approx_kl"), "actor/grad_norm": actor.get("grad_norm"),
             "critic/vf_loss": critic.get("vf_loss") if critic is not None else None,
-            "critic/vf_explained_var": explained_variance(batch["values"], batch["returns"], mask)
+            "critic/vf_explained_var": explained_variance(trained["values"], trained["returns"], trained["response_mask"])
             if critic is not None else None,
+            "batch/kept_groups": len(np.unique(trained["group"])) if "group" in trained else len(trained),
             "policy/version": sampled, "policy/lag": trained_with - sampled,
             "rollout/log_prob_diff": float(algo.masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
                                                             mask)) if "rollout_log_probs" in batch else None,

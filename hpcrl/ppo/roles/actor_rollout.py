@@ -62,19 +62,21 @@ class ActorRollout(Generates, Checkpointed, Worker):
                         for k, v in weights.items()})
 
     def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
-        cfg, mask, logp, ent = self.cfg, mb["response_mask"], out["log_probs"], out["entropy"]
-        weights = truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], cfg.algorithm.tis_cap) if cfg.algorithm.tis_cap else None
-        pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, cfg.algorithm.clip_low, cfg.algorithm.clip_high,
-                                cfg.algorithm.dual_clip or None, cfg.algorithm.loss_agg_mode, total_tokens, total_seqs, weights)
+        algorithm, mask, logp, ent = self.cfg.algorithm, mb["response_mask"], out["log_probs"], out["entropy"]
+        mode, counts = algorithm.loss_agg_mode, dict(total_tokens=total_tokens, total_seqs=total_seqs,
+                                                     max_length=self.cfg.rollout.max_new_tokens)
+        weights = truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], algorithm.tis_cap) if algorithm.tis_cap else None
+        pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, algorithm.clip_low, algorithm.clip_high,
+                                algorithm.dual_clip or None, mode, is_weights=weights,
+                                importance="sequence" if algorithm.policy_loss == "gspo" else "token", **counts)
         loss = pg
-        if cfg.algorithm.entropy_coef:
-            loss = loss - cfg.algorithm.entropy_coef * aggregate(ent, mask, cfg.algorithm.loss_agg_mode, total_tokens, total_seqs)
+        if algorithm.entropy_coef:
+            loss = loss - algorithm.entropy_coef * aggregate(ent, mask, mode, **counts)
         share = local_share(mask, total_tokens)
         stats.update(pg_loss=float(pg.detach()) / share, entropy=float(masked_mean(ent.detach(), mask)))
-        if cfg.algorithm.kl_loss and cfg.algorithm.kl_coef:
-            kl = kl_penalty(logp, mb["ref_log_probs"], cfg.algorithm.kl_loss_estimator)
-            kl_loss = aggregate(kl, mask, cfg.algorithm.loss_agg_mode, total_tokens, total_seqs)
-            loss = loss + cfg.algorithm.kl_coef * kl_loss
+        if algorithm.kl_loss and algorithm.kl_coef:
+            kl_loss = aggregate(kl_penalty(logp, mb["ref_log_probs"], algorithm.kl_loss_estimator), mask, mode, **counts)
+            loss = loss + algorithm.kl_coef * kl_loss
             stats["kl_loss"] = float(kl_loss) / share
         return loss, stats
 

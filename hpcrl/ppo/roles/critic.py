@@ -29,7 +29,7 @@ class Critic(Checkpointed, Worker):
     def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
         mask = mb["response_mask"]
         loss, stats = value_loss(out["values"], mb["values"], mb["returns"], mask, self.cfg.algorithm.vf_clip or None,
-                                 self.cfg.algorithm.loss_agg_mode, total_tokens, total_seqs)
+                                 self.cfg.algorithm.loss_agg_mode, total_tokens, total_seqs, self.cfg.rollout.max_new_tokens)
         return loss, {"vf_loss": float(loss.detach()) / local_share(mask, total_tokens), "vf_clipfrac": stats["clipfrac"]}
 
     def checkpoint_state(self) -> dict:
