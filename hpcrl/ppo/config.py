@@ -166,7 +166,8 @@ class RolloutSettings(Settings):
     """generate in a separate `rollout` role (its own nodes in the spec) instead of in actor_rollout;
     the actor's weights travel to it after every update"""
     n_samples: PositiveInt = 1
-    """responses per prompt (GRPO needs ≥ 2: the group to normalise against)"""
+    """responses per prompt (≥ 2 for advantage grpo, rloo, reinforce_pp_baseline and for dynamic_sampling:
+    the group each response is compared against)"""
     max_new_tokens: PositiveInt = 3
     """longest response"""
     temperature: Annotated[float, Field(gt=0)] = 1.0
