@@ -517,13 +517,23 @@ _RENAMED = {"dataset": "data.dataset", "val_dataset": "validation.dataset", "val
 """Flat keys whose name changed in their section; the others kept theirs (FLAT_KEYS)."""
 
 
+_KEPT = ("batch_size", "max_prompt_length", "task_digits", "task_prompts", "temperature", "missing_eos_penalty",
+         "hidden_size", "layers", "heads", "critic_init", "n_samples", "max_new_tokens", "top_p", "top_k",
+         "tensor_parallel", "cache_dir", "pipeline", "max_staleness", "pipeline_parallel", "precision", "compile",
+         "advantage", "gamma", "lam", "whiten_advantages", "kl_coef", "kl_in_reward", "kl_loss", "kl_estimator",
+         "kl_loss_estimator", "kl_target", "kl_horizon", "clip_low", "clip_high", "dual_clip", "vf_clip",
+         "entropy_coef", "loss_agg_mode", "tis_cap", "ppo_epochs", "mini_batch_size", "micro_batch_size",
+         "micro_batch_tokens", "actor_lr", "critic_lr", "warmup_steps", "weight_decay", "grad_clip", "critic_warmup",
+         "save_every", "save_last", "keep_last", "keep_every", "async_save", "snapshot_every", "colocate",
+         "processes_per_node", "standby", "restart_limit")
+"""Flat keys that kept their name in their section. Frozen: settings added since exist only in sections."""
+
+
 def _flat_keys() -> dict[str, str]:
-    out = {}
-    for section, info in TrainConfig.model_fields.items():
-        if isinstance(info.default_factory, type) and issubclass(info.default_factory, Settings):
-            out.update({name: f"{section}.{name}" for name in info.default_factory.model_fields})
-    out = {k: v for k, v in out.items() if v not in _RENAMED.values()}
-    return out | _RENAMED
+    section_of = {name: section for section, info in TrainConfig.model_fields.items()
+                  if isinstance(info.default_factory, type) and issubclass(info.default_factory, Settings)
+                  for name in info.default_factory.model_fields}
+    return {name: f"{section_of[name]}.{name}" for name in _KEPT} | _RENAMED
 
 
 FLAT_KEYS = _flat_keys()
