@@ -63,6 +63,19 @@ class Toy(Worker):
         dist.all_reduce(t)
         return t.item()
 
+    @register(Dispatch.ONE_TO_ALL)
+    def die_beside_a_peer_error(self, marker: str):
+        """First call: rank 1's process dies, and rank 0 fails as a collective's peer of a dead rank
+        does, with an error of its own that reaches the driver before Ray has seen the death; after
+        the rebuild, each returns its rank."""
+        if not os.path.exists(f"{marker}.{self.rank}"):
+            open(f"{marker}.{self.rank}", "w").close()
+            if self.rank == 1:
+                time.sleep(1.0)
+                os._exit(1)
+            raise RuntimeError("Read error: Connection reset by peer")
+        return self.rank
+
     @register(Dispatch.ALL_TO_ALL)
     def echo(self, x):
         return self.rank, x
@@ -223,6 +236,16 @@ def test_standby_process_takes_over_a_dead_rank(ray_local):
         kill_dead(a.pids()[0])
         assert a.allreduce(1) == [3.0, 3.0]
         assert a.pids() == standby_pids
+    finally:
+        a.shutdown()
+
+
+def test_a_peers_error_after_a_rank_died_rebuilds_the_dead_rank(ray_local, tmp_path):
+    """Whichever error Ray hands over first, the death is what is recovered from, not the peer's error."""
+    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Toy)
+    try:
+        assert a.die_beside_a_peer_error(str(tmp_path / "died")) == [0, 1]
+        assert a.describe()["restarts"] == 1
     finally:
         a.shutdown()
 

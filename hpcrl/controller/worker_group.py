@@ -389,9 +389,26 @@ class GroupFuture:
             except RayActorError as e:
                 self.recover(e)
             except RayTaskError as e:    # the role's own code raised: the run stops; say where first
+                if (died := self._rank_that_died()) is not None:
+                    self.recover(died)
+                    continue
                 hosts = self.method.wg._hosts
                 hosts._set_state(hosts.state, f"{self.method.name}: {_last_line(e)}")
                 raise
+
+    def _rank_that_died(self, grace_s: float = 10.0) -> RayActorError | None:
+        """A rank whose process died, among this call's: its peers in a collective then fail with
+        errors of their own (gloo's "Connection reset by peer"), which may arrive first. The death,
+        not their errors, is what happened; Ray says so within a second or two."""
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=grace_s)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as e:
+                return e
+            except RayTaskError:
+                pass
+        return None
 
     def recover(self, error: RayActorError) -> None:
         """Rebuild whichever group lost the process named by error (ours or an input's), call again."""
