@@ -16,6 +16,7 @@ import torch
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch, Weights
 from hpcrl.controller.device_weights import DeviceWeights, Placement
+from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupError
 from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
 from hpcrl.models import load_causal_lm
@@ -85,6 +86,7 @@ class Generates:
 class Rollout(Generates, Worker):
     """Generation on its own role; its weights are the actor's, pushed with `load_weights`."""
     elastic = True    # a new rank gets the actor's weights from the group's restore hook
+    weights_from: WeightGroup | None = None    # the group the actor's rank 0 sends the weights by
 
     def __init__(self, model_dir: str, cfg: TrainConfig):
         self.cfg = cfg
@@ -108,3 +110,26 @@ class Rollout(Generates, Worker):
         else:
             self.rollout.load_weights(weights)
         self.policy_version = version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def join_weight_group(self, ticket: Ticket) -> None:
+        """Join the group the actor's rank 0 sends the weights by, as rank 1 + this rank (a stale
+        ticket: nothing)."""
+        if self.weights_from is None or self.weights_from.ticket.formation < ticket.formation:
+            self.weights_from = WeightGroup.join(ticket, 1 + self.rank, self.device) or self.weights_from
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, ticket: Ticket, version: int) -> str:
+        """The actor's weights after its update at step `version`, by the group of `ticket`:
+        "received"; "stale" when that group was re-formed since; "broken: why" when the sender went
+        away meanwhile (the engine keeps the weights it had: it loads only a complete set)."""
+        if self.weights_from is None or self.weights_from.ticket != ticket:
+            return "stale"
+        try:
+            weights = self.weights_from.receive()
+        except WeightGroupError as e:
+            self.weights_from = None
+            return f"broken: {e}"
+        self.rollout.load_weights(weights)
+        self.policy_version = version
+        return "received"
