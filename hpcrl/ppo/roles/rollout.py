@@ -1,13 +1,17 @@
 """Generation: the `Generates` half of ActorRollout, and `Rollout`, the same on its own role.
 
-With `rollout_role: true` generation runs in a `rollout` role on its own nodes (and partition),
+With `rollout.own_role: true` generation runs in a `rollout` role on its own nodes (and partition),
 and the actor's rank 0 sends it one state dict after every update, in the dtype the rollout samples
-in (bf16 on a GPU: half of fp32's bytes). When every rollout rank runs on that rank's GPU (its own
-process on the same node) the weights stay on the device: CUDA IPC handles of one buffer
-(`DeviceWeights`). Otherwise they go through Ray's object store, as numpy buffers that Ray moves out
-of band (`Weights`), and every rollout rank reads them (shared memory on its node). Ray's objects,
-not a torch.distributed group, because the two roles live in separate WorkerGroups, possibly on
-separate hetjob components, and a group spanning them would tie their restarts together.
+in (bf16 on a GPU: half of fp32's bytes), by the route `rollout.weight_transport` chooses. When every
+rollout rank runs on that rank's GPU (its own process on the same node) the weights stay on the
+device: CUDA IPC handles of one buffer (`DeviceWeights`). Otherwise they are broadcast by a
+torch.distributed group of the actor's rank 0 and the rollout's ranks (`WeightGroup`: NCCL between
+GPUs, gloo otherwise), in buckets, and each rank loads the whole set once it has it. A group of
+their own, formed by the driver at the start and again after either role is rebuilt or resized:
+the two roles live in separate WorkerGroups, possibly on separate hetjob components, each with its
+own training group, and a rebuild of one must not tie the other's processes to it. The fallback
+(`object_store`) sends numpy buffers through Ray's object store, which Ray moves out of band
+(`Weights`), and every rollout rank reads them (shared memory on its node).
 """
 from __future__ import annotations
 
