@@ -492,6 +492,8 @@ _RENAMED = {"dataset": "data.dataset", "val_dataset": "validation.dataset", "val
             "rollout_max_model_len": "rollout.max_model_len", "train_engine": "engine.backend",
             "checkpoint_io": "checkpoint.io"}
 """Flat keys whose name changed in their section; the others kept theirs (FLAT_KEYS)."""
+_SECTIONED_ONLY = {"rollout.weight_transport", "rollout.weight_sync_timeout"}
+"""Settings added since the sections: they never had a flat key."""
 
 
 def _flat_keys() -> dict[str, str]:
@@ -499,7 +501,7 @@ def _flat_keys() -> dict[str, str]:
     for section, info in TrainConfig.model_fields.items():
         if isinstance(info.default_factory, type) and issubclass(info.default_factory, Settings):
             out.update({name: f"{section}.{name}" for name in info.default_factory.model_fields})
-    out = {k: v for k, v in out.items() if v not in _RENAMED.values()}
+    out = {k: v for k, v in out.items() if v not in _RENAMED.values() and v not in _SECTIONED_ONLY}
     return out | _RENAMED
 
 
