@@ -20,7 +20,6 @@ them (q, k, v), and a transfer that breaks halfway must leave the engine with it
 from __future__ import annotations
 
 import pickle
-import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,10 +69,10 @@ def backend_for(members: Sequence[Placement]) -> str:
 
 
 def node_address() -> str:
-    """This node's address as the other nodes reach it (Ray's, inside a Ray worker or driver)."""
+    """This node's address as the other nodes of the Ray cluster reach it."""
     import ray
 
-    return ray.util.get_node_ip_address() if ray.is_initialized() else socket.gethostbyname(socket.gethostname())
+    return ray.util.get_node_ip_address()
 
 
 class WeightGroup:
