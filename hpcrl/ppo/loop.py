@@ -224,6 +224,7 @@ def ppo(ctx: RunContext) -> str | None:
     algorithm = cfg.algorithm
     kl_ctl = (algo.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
               if algorithm.kl_target else algo.FixedKLController(algorithm.kl_coef))
+
     def routed(route: dict) -> None:      # once per choice of the route, not per step
         status.event("weight_sync", step=status.doc["step"], **route)
         print(f"{now()} weights to the rollout role by {route['path']}"
