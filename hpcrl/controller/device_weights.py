@@ -56,15 +56,22 @@ class Slot(NamedTuple):
 ALIGN = 256     # bytes: every tensor starts as aligned as a tensor of its own allocation would (vectorised kernels)
 
 
-def pack(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None,
-         device: torch.device | str) -> tuple[torch.Tensor, dict[str, Slot]]:
-    """The tensors copied into one new flat byte buffer on `device`, floating ones cast to `dtype`
-    (when given; the cast of `Tensor.to`), and where each lies in it."""
+def lay_out(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> tuple[dict[str, Slot], int]:
+    """Where each tensor lies in a flat byte buffer, floating ones cast to `dtype` (when given; the
+    cast of `Tensor.to`), and the buffer's size in bytes."""
     layout, end = {}, 0
     for name, t in tensors.items():
         kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
         layout[name] = Slot(end, tuple(t.shape), kind)
         end += -(-t.numel() * kind.itemsize // ALIGN) * ALIGN
+    return layout, end
+
+
+def pack(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None,
+         device: torch.device | str) -> tuple[torch.Tensor, dict[str, Slot]]:
+    """The tensors copied into one new flat byte buffer on `device` as `lay_out` places them, and
+    where each lies in it."""
+    layout, end = lay_out(tensors, dtype)
     buffer = torch.empty(end, dtype=torch.uint8, device=device)
     for name, view in unpack(buffer, layout).items():
         view.copy_(tensors[name].detach())

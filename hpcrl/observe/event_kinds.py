@@ -52,6 +52,15 @@ EVENTS: dict[str, EventKind] = {
         "an elastic role could not take its new nodes; it goes on with the nodes it has",
         {"step": "the step in progress",
          "error": "why"}),
+    "weight_sync": EventKind(
+        "the route the actor's weights take to a separate rollout role (`train.rollout.weight_transport`), chosen "
+        "at the start and again after either role was rebuilt or resized",
+        {"step": "the step in progress",
+         "path": "`cuda_ipc` (every rollout rank on the GPU of the actor's rank 0), `collective` (a broadcast by a "
+                 "torch.distributed group of the actor's rank 0 and the rollout's ranks) or `object_store` (Ray's)",
+         "backend": "the collective's: `nccl` or `gloo` (null for the other paths)",
+         "receivers": "the rollout's ranks",
+         "seconds": "how long choosing the route and forming the group took"}),
     "stop": EventKind(
         "training stopped early at a committed checkpoint (Slurm's signal before the time limit or a preemption, "
         "the deadline, `hpcrl cancel`, a role that lost its state); the job requeues unless it was cancelled",

@@ -165,6 +165,17 @@ class RolloutSettings(Settings):
     own_role: bool = False
     """generate in a separate `rollout` role (its own nodes in the spec) instead of in actor_rollout;
     the actor's weights travel to it after every update"""
+    weight_transport: Literal["auto", "collective", "object_store"] = "auto"
+    """own_role: how the actor's weights reach the rollout role. "auto": through CUDA IPC when every
+    rollout rank runs on the GPU of the actor's rank 0, else "collective". "collective": broadcast
+    from the actor's rank 0 to the rollout's ranks by a torch.distributed group of their own (NCCL
+    when each has a GPU of its own, else gloo), in buckets of at most 256 MB. "object_store": numpy
+    buffers through Ray's object store. The events say which route the weights take, at the start
+    and after every rebuild or resize of either role"""
+    weight_sync_timeout: Annotated[float, Field(gt=0)] = 600.0
+    """own_role, collective transport: seconds a rank waits for the others, to join the group (the
+    error then names the ranks that did not) and at each sync for the rollout to be ready (pipelined,
+    it finishes the generation in flight first)"""
     n_samples: PositiveInt = 1
     """responses per prompt (≥ 2 for advantage grpo, rloo, reinforce_pp_baseline and for dynamic_sampling:
     the group each response is compared against)"""

@@ -5,18 +5,23 @@ of the built-in loop (hpcrl/ppo/loop.py).
                  with `pipeline: one_step_off`, none otherwise), each with the scoring that needs no
                  trained weights issued as soon as it exists
     WeightSync   the actor's weights to the engine that generates: the rollout role's (sent as a
-                 future its next generation waits behind) or the actor's own, and again after that
-                 role is rebuilt or resized
+                 future its next generation waits behind; by CUDA IPC, a collective group or Ray's
+                 object store) or the actor's own, and again after either role is rebuilt or resized
 """
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
+from hpcrl.controller.device_weights import shares_gpu
+from hpcrl.controller.weight_transport import Rendezvous, Ticket, backend_for, node_address
+from hpcrl.ppo.config import RolloutSettings
 
 
 @dataclasses.dataclass
@@ -79,16 +84,47 @@ class Lookahead:
 
 class WeightSync:
     """The actor's weights to the generating engine. `version`: the step whose actor update made
-    the weights the engine has (0: the initial ones)."""
+    the weights the engine has (0: the initial ones). With a rollout role, `settings`
+    (train.rollout) choose the route (`weight_transport`), and `said` hears which one the weights
+    take each time it is chosen: at the start, and after either role was rebuilt or resized."""
 
-    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup | None, version: int = 0):
+    def __init__(self, actor: WorkerGroup, rollout: WorkerGroup | None, settings: RolloutSettings,
+                 said: Callable[[dict], None] = lambda route: None, version: int = 0):
         self.actor, self.rollout, self.version = actor, rollout, version
+        self.transport, self.timeout_s, self.said = settings.weight_transport, settings.weight_sync_timeout, said
         self.sampling = rollout.sampling_dtype() if rollout else None
-        # where the rollout's ranks run: on the GPU of the actor's rank 0 the weights stay on the
-        # device. Asked again only when the rollout is rebuilt or resized: asked at every send, it
-        # would wait behind the generation in flight on the rollout's processes (pipelined steps)
-        self.rollout_at = rollout.placement() if rollout else None
-        self.pending = None
+        self.rendezvous: Rendezvous | None = None     # the driver's store, made at the first collective route
+        self.ticket: Ticket | None = None
+        self.pending: list = []
+        if rollout:
+            self.connect()
+
+    def connect(self) -> None:
+        """Choose the route from where the ranks run, and form the group when it is the collective:
+        at the start and after a rebuild or resize, when the rollout's ranks are idle. Asked at
+        every send, it would wait behind the generation in flight (pipelined steps)."""
+        t0 = time.perf_counter()
+        self.rollout_at = self.rollout.placement()
+        sender = self.actor.placement()
+        if self.transport == "auto" and shares_gpu(sender, self.rollout_at):
+            self.route = "cuda_ipc"
+        elif self.transport == "object_store" or any((r.host, r.pid) == (sender.host, sender.pid) for r in self.rollout_at):
+            self.route = "object_store"     # also where the two roles share processes: one process is one rank
+        else:
+            self.route = "collective"
+        backend = backend_for([sender, *self.rollout_at]) if self.route == "collective" else None
+        self.ticket = None
+        if backend:
+            self.rendezvous = self.rendezvous or Rendezvous(node_address())
+            ranks = [(self.actor.role, self.actor.describe()["ranks"][0])] + \
+                [(self.rollout.role, r) for r in self.rollout.describe()["ranks"]]
+            self.ticket = self.rendezvous.ticket([f"{role} rank {r['rank']} ({r['node']})" for role, r in ranks],
+                                                 backend, self.timeout_s)
+            joins = [self.rollout.join_weight_group.future(self.ticket), self.actor.join_weight_group.future(self.ticket)]
+            for join in joins:
+                join.result()
+        self.said({"path": self.route, "backend": backend, "receivers": len(self.rollout_at),
+                   "seconds": round(time.perf_counter() - t0, 3)})
 
     def send(self, version: int, wait: bool = True) -> None:
         """The weights of step `version` to the engine; to the rollout role without `wait`, they are
@@ -97,20 +133,30 @@ class WeightSync:
         if self.rollout is None:
             self.actor.sync_rollout_weights(version)
             return
-        self.pending = self.rollout.load_weights.future(self.actor.export_weights.future(self.sampling, self.rollout_at),
-                                                        version)
+        if self.route == "collective":
+            # both at once: the sender's broadcast waits for the receivers
+            self.pending = [self.rollout.receive_weights.future(self.ticket, version),
+                            self.actor.send_weights.future(self.sampling, self.ticket)]
+        else:
+            to = self.rollout_at if self.route == "cuda_ipc" else ()
+            self.pending = [self.rollout.load_weights.future(self.actor.export_weights.future(self.sampling, to), version)]
         if wait:
             self.arrived()
 
     def arrived(self) -> None:
-        """Back once the weights sent last are in the engine."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+        """Back once the weights sent last are in the engine. A transfer broken by a rank that died
+        is made again by the rebuild's `resend`; one broken otherwise (a timeout) fails the run."""
+        pending, self.pending, ticket = self.pending, [], self.ticket
+        outcomes = [f.result() for f in pending]      # a lost process: its role is rebuilt, and resends
+        said = [*outcomes[0], *outcomes[1:]] if outcomes else []     # the rollout's ranks', the sender's
+        broken = [o for o in said if isinstance(o, str) and o.startswith("broken")]
+        if broken and self.ticket is ticket:
+            raise RuntimeError(f"weights of step {self.version} to the rollout role: {'; '.join(broken)}")
 
     def resend(self) -> None:
-        """The current weights again, after the generating role was rebuilt or resized (it may now
-        run elsewhere), or after a resume."""
+        """The current weights again, after either role was rebuilt or resized (they may now run
+        elsewhere, and a group is re-formed)."""
         if self.rollout:
-            self.rollout_at = self.rollout.placement()
+            self.connect()
         self.send(self.version)
+

@@ -247,7 +247,14 @@ def ppo(ctx: RunContext) -> str | None:
     algorithm = cfg.algorithm
     kl_ctl = (algo.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
               if algorithm.kl_target else algo.FixedKLController(algorithm.kl_coef))
-    weights = WeightSync(actor, rollout)
+
+    def routed(route: dict) -> None:      # once per choice of the route, not per step
+        status.event("weight_sync", step=status.doc["step"], **route)
+        print(f"{now()} weights to the rollout role by {route['path']}"
+              + (f" ({route['backend']})" if route["backend"] else "")
+              + f" to {route['receivers']} ranks, ready in {route['seconds']:.2f} s", flush=True)
+
+    weights = WeightSync(actor, rollout, cfg.rollout, routed)
     for wg in (rollout, actor) if rollout else (actor,):   # after a rebuild (and the actor's restore): the weights
         wg.on_restart(weights.resend)
 
@@ -266,7 +273,7 @@ def ppo(ctx: RunContext) -> str | None:
         kl_ctl.value = resumed.state["kl_coef"]
         weights.version = resumed.state.get("policy_version", start if start > cfg.optim.critic_warmup else 0)
         lookahead.resume(start, resumed.inflight)
-        weights.resend()
+        weights.send(weights.version)
     if ctx.held_out is not None and cfg.validation.before_train and start == 0:
         status.phase(0, "validate")
         ctx.log({"step": 0, "time": round(time.time(), 3), **ctx.validate(0)})

@@ -10,6 +10,7 @@ from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch, Weights
 from hpcrl.controller.device_weights import DeviceWeights, Placement, shares_gpu
+from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupError
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.roles.common import local_share, make_train_engine, ppo_updates, seed_all
 from hpcrl.ppo.roles.rollout import Generates, make_rollout_engine
@@ -18,6 +19,7 @@ from hpcrl.ppo.roles.rollout import Generates, make_rollout_engine
 class ActorRollout(Generates, Checkpointed, Worker):
     """The policy; it also generates unless the job runs a separate `rollout` role."""
     shares_device = True
+    weights_to: WeightGroup | None = None    # rank 0: the group it sends the weights to a rollout role by
 
     def __init__(self, model_dir: str, cfg: TrainConfig):
         self.cfg = cfg
@@ -60,6 +62,35 @@ class ActorRollout(Generates, Checkpointed, Worker):
             return DeviceWeights.export(weights, cast, self.device, readers=len(to))
         return Weights({k: v.detach().to(cast if cast and v.is_floating_point() else v.dtype).cpu()
                         for k, v in weights.items()})
+
+    @register(Dispatch.RANK_ZERO)
+    def placement(self) -> Placement:
+        """Where its rank 0 runs, the rank that sends the weights to a rollout role."""
+        return Placement.of(self.device)
+
+    @register(Dispatch.RANK_ZERO)
+    def join_weight_group(self, ticket: Ticket) -> None:
+        """Rank 0 joins the group it sends the weights by, as its rank 0 (a stale ticket: nothing)."""
+        if self.weights_to is None or self.weights_to.ticket.formation < ticket.formation:
+            self.weights_to = WeightGroup.join(ticket, 0, self.device) or self.weights_to
+
+    @register(Dispatch.ALL_RANK_ZERO)
+    def send_weights(self, dtype: str, ticket: Ticket) -> str | None:
+        """The policy's parameters, floating ones in `dtype`, to the rollout's ranks by the group of
+        `ticket`: "sent"; "stale" when that group was re-formed since (the weights go again through
+        the new one); "broken: why" when a receiver went away meanwhile (its rebuild re-forms the
+        group), and the group is let go, so that the ranks still waiting on it are told at once."""
+        weights = self.engine.full_weights()      # every rank: gathering sharded weights is a collective
+        if self.rank != 0:
+            return None
+        if self.weights_to is None or self.weights_to.ticket != ticket:
+            return "stale"
+        try:
+            self.weights_to.send(weights, getattr(torch, dtype))
+        except WeightGroupError as e:
+            self.weights_to = None
+            return f"broken: {e}"
+        return "sent"
 
     def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
         algorithm, mask, logp, ent = self.cfg.algorithm, mb["response_mask"], out["log_probs"], out["entropy"]

@@ -1,13 +1,17 @@
 """Generation: the `Generates` half of ActorRollout, and `Rollout`, the same on its own role.
 
-With `rollout_role: true` generation runs in a `rollout` role on its own nodes (and partition),
+With `rollout.own_role: true` generation runs in a `rollout` role on its own nodes (and partition),
 and the actor's rank 0 sends it one state dict after every update, in the dtype the rollout samples
-in (bf16 on a GPU: half of fp32's bytes). When every rollout rank runs on that rank's GPU (its own
-process on the same node) the weights stay on the device: CUDA IPC handles of one buffer
-(`DeviceWeights`). Otherwise they go through Ray's object store, as numpy buffers that Ray moves out
-of band (`Weights`), and every rollout rank reads them (shared memory on its node). Ray's objects,
-not a torch.distributed group, because the two roles live in separate WorkerGroups, possibly on
-separate hetjob components, and a group spanning them would tie their restarts together.
+in (bf16 on a GPU: half of fp32's bytes), by the route `rollout.weight_transport` chooses. When every
+rollout rank runs on that rank's GPU (its own process on the same node) the weights stay on the
+device: CUDA IPC handles of one buffer (`DeviceWeights`). Otherwise they are broadcast by a
+torch.distributed group of the actor's rank 0 and the rollout's ranks (`WeightGroup`: NCCL between
+GPUs, gloo otherwise), in buckets, and each rank loads the whole set once it has it. A group of
+their own, formed by the driver at the start and again after either role is rebuilt or resized:
+the two roles live in separate WorkerGroups, possibly on separate hetjob components, each with its
+own training group, and a rebuild of one must not tie the other's processes to it. The fallback
+(`object_store`) sends numpy buffers through Ray's object store, which Ray moves out of band
+(`Weights`), and every rollout rank reads them (shared memory on its node).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import torch
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch, Weights
 from hpcrl.controller.device_weights import DeviceWeights, Placement
+from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupError
 from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
 from hpcrl.models import load_causal_lm
@@ -85,6 +90,7 @@ class Generates:
 class Rollout(Generates, Worker):
     """Generation on its own role; its weights are the actor's, pushed with `load_weights`."""
     elastic = True    # a new rank gets the actor's weights from the group's restore hook
+    weights_from: WeightGroup | None = None    # the group the actor's rank 0 sends the weights by
 
     def __init__(self, model_dir: str, cfg: TrainConfig):
         self.cfg = cfg
@@ -108,3 +114,26 @@ class Rollout(Generates, Worker):
         else:
             self.rollout.load_weights(weights)
         self.policy_version = version
+
+    @register(Dispatch.ONE_TO_ALL)
+    def join_weight_group(self, ticket: Ticket) -> None:
+        """Join the group the actor's rank 0 sends the weights by, as rank 1 + this rank (a stale
+        ticket: nothing)."""
+        if self.weights_from is None or self.weights_from.ticket.formation < ticket.formation:
+            self.weights_from = WeightGroup.join(ticket, 1 + self.rank, self.device) or self.weights_from
+
+    @register(Dispatch.ONE_TO_ALL)
+    def receive_weights(self, ticket: Ticket, version: int) -> str:
+        """The actor's weights after its update at step `version`, by the group of `ticket`:
+        "received"; "stale" when that group was re-formed since; "broken: why" when the sender went
+        away meanwhile (the engine keeps the weights it had: it loads only a complete set)."""
+        if self.weights_from is None or self.weights_from.ticket != ticket:
+            return "stale"
+        try:
+            weights = self.weights_from.receive()
+        except WeightGroupError as e:
+            self.weights_from = None
+            return f"broken: {e}"
+        self.rollout.load_weights(weights)
+        self.policy_version = version
+        return "received"
