@@ -21,7 +21,7 @@ N_SAMPLES = 4
 BASE = dict(batch_size=8, n_samples=N_SAMPLES, mini_batch_size=32, micro_batch_size=16, ppo_epochs=1, warmup_steps=0,
             actor_lr=1e-3, entropy_coef=0.0, kl_coef=0.01, kl_in_reward=True)
 
-MENU = {
+MENU = {       # algorithm: settings (the menu's own exist only in the section, not as flat keys)
     "rloo": dict(advantage="rloo"),
     "reinforce_pp": dict(advantage="reinforce_pp", gamma=0.9),
     "reinforce_pp_baseline": dict(advantage="reinforce_pp_baseline"),
@@ -53,7 +53,7 @@ def sampled(tmp_path_factory):
 @pytest.mark.parametrize("name", MENU)
 def test_each_algorithm_takes_a_step_that_follows_its_advantages(sampled, name):
     model_dir, batch = sampled
-    cfg = TrainConfig().updated(**BASE, **MENU[name])
+    cfg = TrainConfig().updated(**BASE, algorithm=MENU[name])
     assert not cfg.problems() and not cfg.algorithm.uses_critic
     trained = groups_to_train(batch, cfg)
     assert len(trained) == len(batch) - (N_SAMPLES if cfg.algorithm.dynamic_sampling else 0)
@@ -74,7 +74,7 @@ def test_rloo_with_dynamic_sampling_learns_the_tiny_task_locally(tmp_path):
     built-in loop: the bar is the GRPO test's (tests/test_ppo.py). The other estimators take one step
     above; each learning run costs about as much as this one, so only this one runs in CI."""
     cfg = TrainConfig.parse(learning_spec("tiny-cpu-grpo.yaml")).updated(
-        total_steps=LEARNING_STEPS, progress=False, advantage="rloo", dynamic_sampling=True)
+        total_steps=LEARNING_STEPS, progress=False, algorithm={"advantage": "rloo", "dynamic_sampling": True})
     records = run_local(tmp_path, cfg)
     first = np.mean([r["reward/mean"] for r in records[:5]])
     last = np.mean([r["reward/mean"] for r in records[-10:]])
