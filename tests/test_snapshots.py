@@ -50,19 +50,24 @@ class Placed:
 
 
 @pytest.fixture
-def small_ray_node():
-    """One Ray node with the smallest object store Ray starts with (80 MB)."""
+def ray_node():
+    """A Ray node of this process's cluster: an earlier test's, or one of its own (whatever its
+    object store's size: the test sizes the snapshots against it)."""
     import ray
 
-    ray.init(address="local", num_cpus=1, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
+    mine = not ray.is_initialized()
+    if mine:
+        ray.init(address="local", num_cpus=1, object_store_memory=80 * 2**20, include_dashboard=False,
+                 log_to_driver=False)
     try:
-        yield ray.nodes()[0]
+        yield next(n for n in ray.nodes() if n["Alive"])
     finally:
-        ray.shutdown()
+        if mine:
+            ray.shutdown()
 
 
-def test_snapshots_that_do_not_fit_twice_in_the_object_store_are_named(small_ray_node):
-    ip, store = small_ray_node["NodeManagerAddress"], small_ray_node["Resources"]["object_store_memory"]
+def test_snapshots_that_do_not_fit_twice_in_the_object_store_are_named(ray_node):
+    ip, store = ray_node["NodeManagerAddress"], ray_node["Resources"]["object_store_memory"]
     groups = {"actor_rollout": Placed(ip), "critic": Placed(ip), "elsewhere": Placed("192.0.2.1")}
     fits = int(store // 2) - 1
     assert snapshots_spill(groups, {"actor_rollout": fits}) == []
