@@ -50,15 +50,16 @@ class Placed:
 
 
 @pytest.fixture
-def ray_node():
+def ray_node(tmp_path):
     """A Ray node of this process's cluster: an earlier test's, or one of its own (whatever its
     object store's size: the test sizes the snapshots against it)."""
     import ray
 
+    from hpcrl.raycluster.session import start_local
+
     mine = not ray.is_initialized()
-    if mine:
-        ray.init(address="local", num_cpus=1, object_store_memory=80 * 2**20, include_dashboard=False,
-                 log_to_driver=False)
+    if mine:        # as the other tests' local nodes start: with the run's token, as in a job
+        start_local(["a"], run_dir=tmp_path, num_cpus=1)
     try:
         yield next(n for n in ray.nodes() if n["Alive"])
     finally:
