@@ -20,8 +20,13 @@ _PROMPT = ("prompt_ids", "prompt_mask")
 
 
 def real_lengths(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's real prompt and response lengths."""
-    return batch["prompt_mask"].sum(dim=1), batch["response_mask"].sum(dim=1)
+    """Each row's real prompt and response lengths. A multi-turn response holds the environment's
+    observations between the model's turns: in its attention mask, not in its response_mask (the
+    tokens trained on), so the attention mask says how long it is where the batch has one."""
+    prompts = batch["prompt_mask"].sum(dim=1)
+    if "attention_mask" in batch:
+        return prompts, batch["attention_mask"][:, batch["prompt_mask"].shape[1]:].sum(dim=1)
+    return prompts, batch["response_mask"].sum(dim=1)
 
 
 def trim(mb: Batch) -> Batch:
