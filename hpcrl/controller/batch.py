@@ -18,6 +18,14 @@ import numpy as np
 import torch
 
 
+def object_array(values: list) -> np.ndarray:
+    """A 1-d object array of per-sample values, even when every value is a list (np.array would make it 2-d)."""
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
 @dataclass(frozen=True)
 class Padding:
     """What `pad_to_multiple` added: the padded rows are [size, size + pad)."""

@@ -276,7 +276,7 @@ def code_problems(spec: JobSpec) -> list[str]:
 
 def function_problems(where: str, path: str, shape: str) -> list[str]:
     """Why `path` ("package.module:function") names no function in this process; `shape`: how one is written."""
-    from hpcrl.ppo.roles.custom import import_object
+    from hpcrl.importing import import_object
 
     try:
         fn = import_object(path)

@@ -28,7 +28,7 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     import ray
 
     from hpcrl.ppo.loop import train
-    from hpcrl.ppo.roles.custom import import_object
+    from hpcrl.importing import import_object
     from hpcrl.raycluster import connect, start_local
 
     paths = RunDir(Path(run_dir).resolve())

@@ -4,6 +4,11 @@ built-in task's character tokenizer (saved beside the tiny model it goes with).
     tok = load_tokenizer(model_dir)
     tok.encode("12+7=")                   plain text, as the tokenizer encodes it (with its bos, if it adds one)
     tok.encode_chat([{"role": "user", "content": "..."}])    the chat template, with the generation prompt
+    tok.encode_chat(messages, tools=[schema, ...])            ... and the tools the model may call, where
+                                                              the template renders them (tok.renders_tools)
+    tok.encode_followup([{"role": "tool", "content": "42"}])  what follows a model's turn that ended with
+                                                              its stop token: the messages, then the generation
+                                                              prompt (a multi-turn episode's observation)
     tok.decode(ids)                       the text up to the first stop token, special tokens dropped
     tok.stop_ids                          generation ends at any of these
     tok.pad_id                            fills prompts and responses; never a stop token
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Iterable, Protocol
 
 FILE = "hpcrl_tokenizer.json"
+_MARK = "\u2063hpcrl-turn\u2063"     # an assistant turn's text no template changes
 SPECIALS = ("<pad>", "<bos>", "<eos>")
 
 
@@ -27,7 +33,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict]) -> list[int]: ...
+    renders_tools: bool
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]: ...
+
+    def encode_followup(self, observation: list[dict] | str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -66,8 +76,15 @@ class CharTokenizer:
             raise ValueError(f"characters {unknown} are not in the tokenizer's alphabet {self.chars!r}")
         return ([self.bos_id] if bos else []) + [self.index[c] for c in text]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    renders_tools = False
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         raise ValueError("the built-in task's character tokenizer has no chat template: give prompts as text")
+
+    def encode_followup(self, observation: list[dict] | str) -> list[int]:
+        """Text as it is (no bos); messages' contents one after the other (no template to render them)."""
+        text = observation if isinstance(observation, str) else "".join(str(m.get("content", "")) for m in observation)
+        return self.encode(text, bos=False)
 
     def decode(self, ids) -> str:
         """Text of the ids up to the first eos, specials dropped."""
@@ -120,11 +137,41 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text)["input_ids"])
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The template's rendering with the generation prompt; `tools` (JSON schemas) as the template
+        renders them (`renders_tools`)."""
+        return self._ids(self._render(list(messages), True, tools))
+
+    def encode_followup(self, observation: list[dict] | str) -> list[int]:
+        """The tokens the template puts after an assistant turn's stop token when `observation` (tool
+        or user messages) follows, through the next generation prompt: the difference between the
+        rendering of a conversation with and without them, cut at the assistant's stop token, so
+        that the model's own tokens (kept as sampled, never re-encoded) and these make exactly what
+        the template would render for the whole conversation."""
+        messages = [{"role": "tool", "content": observation}] if isinstance(observation, str) else list(observation)
+        head = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        before, after = self._render(head, False), self._render(head + messages, True)
+        end = before.index(_MARK) + len(_MARK)
+        stop = next((t for t in (self.tok.decode([i]) for i in self.stop_ids) if before.startswith(t, end)), None)
+        if stop is None or not after.startswith(before[:end + len(stop)]):
+            raise ValueError(f"{self.model_dir}: the chat template does not end an assistant turn with a stop token "
+                             f"({', '.join(map(repr, (self.tok.decode([i]) for i in self.stop_ids)))}), or renders "
+                             "earlier turns differently once more follow; multi-turn rollouts need one that does")
+        return self._ids(after[end + len(stop):])
+
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template renders a `tools` argument (else a prompt has to describe them)."""
+        return "tools" in (self.tok.chat_template or "")
+
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> str:
         if not self.tok.chat_template:
             raise ValueError(f"{self.model_dir}: the tokenizer has no chat template; give prompts as text, "
                              "not as messages")
-        text = self.tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                            **({"tools": tools} if tools else {}))
+
+    def _ids(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])   # the template holds its specials
 
     def decode(self, ids: Iterable[int]) -> str:

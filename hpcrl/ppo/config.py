@@ -1,7 +1,7 @@
 """TrainConfig: the `train:` section of a job spec, typed and parsed once with the spec.
 
 The settings are grouped into sections (data, validation, reward, model, rollout, engine,
-algorithm, optim, checkpoint, layout); each section is a pydantic model whose field types carry the
+algorithm, optim, checkpoint, layout, environment); each section is a pydantic model whose field types carry the
 ranges (a setting out of range, NaN or infinite is refused by name) and whose validators check what
 concerns it alone. What spans sections is `TrainConfig.problems()`, in one place. Each field's
 docstring is its documentation: the reference (docs) and `hpcrl schema` are generated from it.
@@ -65,10 +65,13 @@ class DataSettings(Settings):
     """prompts per step"""
     max_prompt_length: Count = 0
     """prompts longer than this many tokens are left out (counted in the log), never cut; 0: no limit"""
+    task: Literal["copy_digits", "tool_sums"] = "copy_digits"
+    """the built-in task (no dataset): "copy_digits" ("12=" answered "12"), or "tool_sums" ("37+45="
+    answered "82", with environment.cls hpcrl.ppo.tasks.tool_sums:SumsEnvironment a calculator to call)"""
     task_digits: PositiveInt = 2
-    """copy task: digits per prompt ("12=" must be answered "12")"""
+    """built-in task: digits per number"""
     task_prompts: PositiveInt = 4096
-    """copy task: distinct prompts generated"""
+    """built-in task: distinct prompts generated"""
 
 
 class ValidationSettings(Settings):
@@ -138,9 +141,9 @@ class RewardSettings(Settings):
         """The scorers; the reward role alone when none are given."""
         return list(self.scorers) or [Scorer(role="reward")]
 
-    def function(self, dataset: str) -> str:
-        """fn, or its default: each sample's data_source scorer with a dataset, the copy task's rule without."""
-        return self.fn or ("hpcrl.ppo.verifiers:by_data_source" if dataset else "hpcrl.ppo.tasks.copy_digits:score")
+    def function(self, dataset: str, task: str = "copy_digits") -> str:
+        """fn, or its default: each sample's data_source scorer with a dataset, the built-in task's rule without."""
+        return self.fn or ("hpcrl.ppo.verifiers:by_data_source" if dataset else f"hpcrl.ppo.tasks.{task}:score")
 
 
 class ModelSettings(Settings):
@@ -400,6 +403,37 @@ class LayoutSettings(Settings):
     """rebuilds of one role allowed per hour before the run fails"""
 
 
+class EnvironmentSettings(Settings):
+    """Multi-turn episodes: the model and an environment take turns (hpcrl/environments)."""
+    cls: str = ""
+    """the environment, `package.module:Class` (hpcrl.environments:ToolEnvironment, or your own on the
+    protocol of hpcrl/environments/base.py); it runs in the `env` role, which the spec places like any
+    role. Empty: single-turn rollouts"""
+    kwargs: dict = Field(default_factory=dict)
+    """keyword arguments of the class, e.g. {tools: [calculator, python]}"""
+    max_turns: PositiveInt = 4
+    """model turns per episode; the episode ends after the last (a tool call in it is not run)"""
+    max_tokens: Count = 0
+    """tokens of an episode after its prompt, the model's turns and the observations together (an
+    episode ends where the next turn or observation would not fit); 0: max_turns × rollout.max_new_tokens"""
+    step_timeout: Annotated[float, Field(gt=0)] = 60.0
+    """seconds an environment may take to start an episode or answer a turn; then the episode fails"""
+    failed_score: float = 0.0
+    """the score of an episode whose environment failed (raised, timed out, or lost its process): it is
+    trained with this score, and named in the log and events"""
+
+    @field_validator("cls")
+    @classmethod
+    def _import_path(cls, v):
+        if v and not re.fullmatch(r"[\w.]+:[\w.]+", v):
+            raise ValueError(f"{v!r}: write it as package.module:Class (e.g. hpcrl.environments:ToolEnvironment)")
+        return v
+
+    def tokens(self, max_new_tokens: int) -> int:
+        """An episode's token budget after its prompt."""
+        return self.max_tokens or self.max_turns * max_new_tokens
+
+
 class TrainConfig(Settings):
     """The training settings (`train:` of a job spec)."""
     seed: Count = 1
@@ -428,6 +462,8 @@ class TrainConfig(Settings):
     """committed checkpoints, and snapshots in host memory"""
     layout: LayoutSettings = Field(default_factory=LayoutSettings)
     """processes per role, colocation, restarts"""
+    environment: EnvironmentSettings = Field(default_factory=EnvironmentSettings)
+    """multi-turn episodes with an environment (tools, games, code execution)"""
 
     @model_validator(mode="before")
     @classmethod
@@ -509,10 +545,11 @@ class TrainConfig(Settings):
     def roles(self) -> list[str]:
         """The roles this configuration runs; the job spec must give each one resources."""
         return ["actor_rollout"] + (["rollout"] if self.rollout.own_role else []) + \
-            (["critic"] if self.algorithm.uses_critic else []) + (["ref"] if self.algorithm.uses_ref else []) + ["reward"]
+            (["critic"] if self.algorithm.uses_critic else []) + (["ref"] if self.algorithm.uses_ref else []) + ["reward"] + \
+            (["env"] if self.environment.cls else [])
 
     def reward_function(self) -> str:
-        return self.reward.function(self.data.dataset)
+        return self.reward.function(self.data.dataset, self.data.task)
 
 
 # --- the flat keys of earlier releases

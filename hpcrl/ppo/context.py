@@ -5,7 +5,7 @@ on it, and so is your own (`driver: mypkg.train:main` in the spec, called as mai
         resumed = ctx.resume()                       # roles, data cursor and metrics of the newest good step
         start = resumed.step if resumed else 0
         for step in range(start + 1, ctx.cfg.total_steps + 1):
-            gen = ctx.groups["actor_rollout"].generate_sequences.future(ctx.dataset.next_batch())
+            gen = ctx.generate(ctx.dataset.next_batch())   # generate_sequences (or multi-turn episodes)
             batch = ctx.scored(gen)                  # train.reward.scorers, weighted: batch["scores"]
             ...                                      # any calls of any role: ctx.groups[role].<method>
             ctx.log({"step": step, "reward/mean": float(batch["scores"].mean())})
@@ -33,11 +33,13 @@ from hpcrl.checkpoint.commit import RoleCheckpoints
 from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.controller import ResourcePoolError, WorkerGroup, follow_nodes
 from hpcrl.controller.batch import Batch
+from hpcrl.importing import import_object
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.observe.metrics import MetricsLog
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig, Scorer
 from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.episodes import Episodes, episode_scores
 from hpcrl.ppo.validation import validate
 from hpcrl.run_dir import RunDir
 from hpcrl.stop import StopRequest
@@ -142,10 +144,15 @@ class RunContext:
     def __post_init__(self):
         cfg = self.cfg
         self.tokenizer = load_tokenizer(self.model_dir)
+        environment = cfg.environment
+        tools = import_object(environment.cls).tool_schemas(**environment.kwargs) if environment.cls else None
         self.dataset = PromptDataset(self.prompts, self.tokenizer, cfg.data.batch_size, cfg.seed,
-                                     cfg.data.max_prompt_length)
+                                     cfg.data.max_prompt_length, tools)
         self.held_out = PromptDataset(Path(cfg.validation.dataset), self.tokenizer, cfg.data.batch_size, cfg.seed,
-                                      cfg.data.max_prompt_length) if cfg.validation.dataset else None
+                                      cfg.data.max_prompt_length, tools) if cfg.validation.dataset else None
+        generator = self.groups.get("rollout") or self.groups["actor_rollout"]
+        self.episodes = Episodes(cfg, generator, self.groups["env"], self.tokenizer,
+                                 lambda failed: print(f"{now()} {failed}", flush=True)) if environment.cls else None
         for name, data in (("training", self.dataset), ("held-out", self.held_out)):
             if data is not None and data.too_long:
                 print(f"{now()} {data.too_long} of {data.too_long + len(data)} {name} prompts are longer than "
@@ -164,14 +171,24 @@ class RunContext:
             if wg.elastic:
                 wg.on_resize(self._resize_listener(role))
 
+    def generate(self, prompts: Batch):
+        """The batch generated from `prompts` by the generating role (rollout, or actor_rollout): a
+        future of its generate_sequences, or with train.environment the batch of multi-turn
+        episodes, made turn by turn with the env role (hpcrl/ppo/episodes.py)."""
+        if self.episodes is not None:
+            return self.episodes.generate(prompts)
+        return (self.groups.get("rollout") or self.groups["actor_rollout"]).generate_sequences.future(prompts)
+
     def scored(self, generated) -> Batch:
-        """The generated batch (a future of generate_sequences, or a Batch) with every term of
-        train.reward.scorers (score/<role>) and their weighted sum (scores)."""
+        """The generated batch (`generate`'s future, or a Batch) with every term of
+        train.reward.scorers (score/<role>) and their weighted sum (scores; a failed episode's is
+        train.environment.failed_score)."""
         futures = [s.future(generated) for s in self.scores]
         batch = generated.result() if hasattr(generated, "result") else generated
         for f in futures:
             batch = batch.union(f.result())
         batch["scores"] = weighted_scores(batch, self.cfg.reward.terms())
+        batch["scores"] = episode_scores(batch, self.cfg.environment.failed_score)
         return batch
 
     def resume(self) -> Resumed | None:
@@ -270,8 +287,7 @@ class RunContext:
 
     def validate(self, step: int) -> dict:
         """The policy answers the held-out prompts and the reward role scores them (val/...)."""
-        scores = validate(self.cfg, self.held_out, self.groups.get("rollout") or self.groups["actor_rollout"],
-                          self.groups["reward"], step)
+        scores = validate(self.cfg, self.held_out, self.generate, self.groups["reward"], step)
         self.status.validated(step, scores)
         print(f"{now()} validation after step {step}: " + "  ".join(f"{k.removeprefix('val/')} {v:.3f}"
                                                                    for k, v in scores.items()), flush=True)

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpcrl.controller.batch import Batch
+from hpcrl.controller.batch import Batch, object_array
+from hpcrl.environments.tool_calls import with_tool_prompt
 
 PARQUET = (".parquet", ".pq")
 
@@ -60,13 +61,17 @@ def write_rows(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-def prompt_ids(row: dict, tokenizer) -> list[int]:
+def prompt_ids(row: dict, tokenizer, tools: list[dict] | None = None) -> list[int]:
+    """The row's prompt as token ids; chat messages with `tools` (JSON schemas: the environment's)
+    rendered by the chat template, or described in the system message where it does not render them."""
     if "prompt_ids" in row:
         return [int(i) for i in row["prompt_ids"]]
     prompt = row["prompt"]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
-    return tokenizer.encode_chat(list(prompt))
+    if tools and not tokenizer.renders_tools:
+        return tokenizer.encode_chat(with_tool_prompt(list(prompt), tools))
+    return tokenizer.encode_chat(list(prompt), tools or None)
 
 
 def reward_fields(row: dict) -> dict:
@@ -84,7 +89,8 @@ class PromptDataset:
     offset) is all that is needed to continue exactly. `in_order` walks them once, unshuffled
     (validation)."""
 
-    def __init__(self, path: Path, tokenizer, batch_size: int, seed: int, max_prompt_length: int = 0):
+    def __init__(self, path: Path, tokenizer, batch_size: int, seed: int, max_prompt_length: int = 0,
+                 tools: list[dict] | None = None):
         rows = read_rows(path)
         if not rows:
             raise ValueError(f"{path}: no prompts")
@@ -94,7 +100,7 @@ class PromptDataset:
                 raise ValueError(f"{path}: row {i + 1} needs 'prompt' (text or chat messages) or 'prompt_ids' "
                                  f"(it has: {', '.join(r) or 'nothing'})")
             try:
-                ids.append(prompt_ids(r, tokenizer))
+                ids.append(prompt_ids(r, tokenizer, tools))
             except (ValueError, TypeError, KeyError) as e:
                 raise ValueError(f"{path}: row {i + 1}: {e}") from None
         keep = [i for i, seq in enumerate(ids) if not max_prompt_length or len(seq) <= max_prompt_length]
@@ -141,9 +147,9 @@ class PromptDataset:
         fields = [reward_fields(r) for r in rows]
         names = sorted({k for f in fields for k in f})
         arrays = {"index": np.array([self.index[i] for i in picked]),
-                  "prompt": _objects([r["prompt"] if "prompt" in r else self.tokenizer.decode(seq)
+                  "prompt": object_array([r["prompt"] if "prompt" in r else self.tokenizer.decode(seq)
                                       for r, seq in zip(rows, ids)]),
-                  **{k: _objects([f.get(k) for f in fields]) for k in names}}
+                  **{k: object_array([f.get(k) for f in fields]) for k in names}}
         return Batch({"prompt_ids": prompt, "prompt_mask": mask}, arrays)
 
     def state_dict(self) -> dict:
@@ -152,10 +158,3 @@ class PromptDataset:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
-
-def _objects(values: list) -> np.ndarray:
-    """A 1-d object array even when every value is a list (np.array would make it 2-d)."""
-    out = np.empty(len(values), dtype=object)
-    for i, v in enumerate(values):
-        out[i] = v
-    return out

@@ -42,10 +42,11 @@ class Generation:
 
 class Lookahead:
     """The batches of the steps after the one in training, `lead` of them, generated from `dataset`
-    by `generator`; `early`: the scoring methods issued on each as soon as it is generated."""
+    by `generate` (prompts -> a future of the batch, or the batch: multi-turn episodes are made on
+    the driver, turn by turn); `early`: the scoring methods issued on each as soon as it is generated."""
 
-    def __init__(self, dataset, generator: WorkerGroup, early: list, n_samples: int, lead: int, total_steps: int):
-        self.dataset, self.generator, self.early = dataset, generator, early
+    def __init__(self, dataset, generate: Callable, early: list, n_samples: int, lead: int, total_steps: int):
+        self.dataset, self.generate, self.early = dataset, generate, early
         self.n_samples, self.lead, self.total_steps = n_samples, lead, total_steps
         self.ahead: deque[Generation] = deque()
         self.issued = 0                   # the last step whose generation was issued
@@ -78,7 +79,7 @@ class Lookahead:
             prompts = prompts.repeat(self.n_samples)
             prompts["group"] = np.repeat(np.arange(groups), self.n_samples)
         prompts.meta["step"] = step
-        generated = self.generator.generate_sequences.future(prompts)
+        generated = self.generate(prompts)
         return Generation(step, generated, [m.future(generated) for m in self.early])
 
 

@@ -7,6 +7,8 @@ Per step:
                   ├─► critic.compute_values             } processes and nodes; the batch goes
                   └─► reward.compute_scores             } rank to rank, not via the driver
                       (and every term of train.reward.scorers: your own roles' scoring methods, weighted)
+    (with train.environment: multi-turn episodes, the generating role and the env role taking turns,
+    hpcrl/ppo/episodes.py; the roles below score and train them as they do single turns)
     advantages on the driver (shaped scores, KL-shaped token rewards, then GAE or a critic-free
     estimator: algorithm.advantage), of the groups dynamic sampling keeps
     critic.update_critic ─► actor_rollout.update_actor (after critic_warmup) ─► weights to rollout
@@ -53,22 +55,25 @@ from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.context import Driver, RunContext, now, weighted_scores
 from hpcrl.ppo.generation import Lookahead, WeightSync
-from hpcrl.ppo.roles import ActorRollout, Critic, Reference, RewardModel, Rollout, RuleReward
+from hpcrl.ppo.episodes import episode_scores, turn_rewards
+from hpcrl.ppo.roles import ActorRollout, Critic, Environments, Reference, RewardModel, Rollout, RuleReward
 from hpcrl.ppo.roles.custom import checkpointed, worker_class
 from hpcrl.ppo.step_metrics import step_record
-from hpcrl.ppo.tasks import copy_digits as copy_task
+from hpcrl.ppo.tasks import copy_digits, tool_sums
 from hpcrl.run_dir import RunDir
 from hpcrl.stop import StopRequest
 
 
 def prepare_inputs(cfg: TrainConfig, run_dir: Path) -> tuple[Path, Path]:
-    """The model and prompts every role reads: given by the config, or built once into the run dir."""
-    tok, paths = CharTokenizer(copy_task.ALPHABET), RunDir(run_dir)
+    """The model and prompts every role reads: given by the config, or built once into the run dir
+    (the built-in task's prompts, and a tiny model for its alphabet)."""
+    task = {"copy_digits": copy_digits, "tool_sums": tool_sums}[cfg.data.task]
+    tok, paths = CharTokenizer(task.ALPHABET), RunDir(run_dir)
     model_dir = Path(cfg.model.path) if cfg.model.path else create_model_dir(
         paths.model, tok, cfg.seed, hidden_size=cfg.model.hidden_size, layers=cfg.model.layers, heads=cfg.model.heads)
     prompts = Path(cfg.data.dataset) if cfg.data.dataset else paths.prompts
     if not cfg.data.dataset and not prompts.exists():
-        copy_task.write_prompts(prompts, cfg.data.task_prompts, cfg.data.task_digits, cfg.seed)
+        task.write_prompts(prompts, cfg.data.task_prompts, cfg.data.task_digits, cfg.seed)
     return model_dir, prompts
 
 
@@ -76,7 +81,7 @@ def worker_classes(cfg: TrainConfig, own: dict[str, tuple[str, dict]] | None = N
     """Role -> its worker class: the built-in roles cfg runs, then your own (`own`: role ->
     (worker class path, its __init__ keyword arguments), checked)."""
     builtin = {"actor_rollout": ActorRollout, "rollout": Rollout, "critic": Critic, "ref": Reference,
-               "reward": RewardModel if cfg.reward.model_dir else RuleReward}
+               "reward": RewardModel if cfg.reward.model_dir else RuleReward, "env": Environments}
     return {**{r: c for r, c in builtin.items() if r in cfg.roles()},
             **{r: checkpointed(worker_class(path, kwargs)) for r, (path, kwargs) in (own or {}).items()}}
 
@@ -91,7 +96,8 @@ def build_worker_groups(cfg: TrainConfig, model_dir: Path, run_dir: Path,
     builtin_args = {"actor_rollout": (str(model_dir), conf), "rollout": (str(model_dir), conf),
                     "critic": (str(model_dir), conf), "ref": (str(model_dir), conf),
                     "reward": (cfg.reward.model_dir,) if cfg.reward.model_dir else
-                    (str(model_dir), cfg.reward_function(), cfg.reward.batched)}
+                    (str(model_dir), cfg.reward_function(), cfg.reward.batched),
+                    "env": (cfg.environment.cls, cfg.environment.kwargs, cfg.environment.step_timeout)}
     own = own or {}
     workers = {r: (cls, () if r in own else builtin_args[r], dict(own[r][1]) if r in own else {})
                for r, cls in worker_classes(cfg, own).items()}
@@ -129,6 +135,8 @@ def compute_advantages(batch: Batch, cfg: TrainConfig, kl_ctl) -> dict:
         kl = algo.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], algorithm.kl_estimator) * mask
     beta = kl_ctl.value if algorithm.kl_in_reward else 0.0
     rewards = algo.token_level_rewards(scores, kl, mask, beta)
+    if (per_turn := turn_rewards(batch)) is not None:      # multi-turn: each turn's reward on its last token
+        rewards = rewards + per_turn
     if algorithm.advantage == "gae":
         adv, ret = algo.gae(rewards, batch["values"], mask, algorithm.gamma, algorithm.lam)
         if algorithm.whiten_advantages:
@@ -263,7 +271,7 @@ def ppo(ctx: RunContext) -> str | None:
     weight_free = [*ctx.scores] + ([ref.compute_ref_log_prob] if ref else [])
     early = [m for m in weight_free if pipelined and not any(m.wg.shares_processes_with(t) for t in (actor, critic) if t)]
     late = [m for m in weight_free if m not in early] + [actor.compute_log_prob] + ([critic.compute_values] if critic else [])
-    lookahead = Lookahead(ctx.dataset, rollout or actor, early, cfg.rollout.n_samples,
+    lookahead = Lookahead(ctx.dataset, ctx.generate, early, cfg.rollout.n_samples,
                           cfg.rollout.max_staleness if pipelined else 0, cfg.total_steps)
     ctx.generating = lookahead.steps     # said when a role is rebuilt meanwhile
 
@@ -283,15 +291,16 @@ def ppo(ctx: RunContext) -> str | None:
 
         # 1. this step's batch (the next ones issued first), then everything that reads it, issued
         # together as futures: the batch goes rank to rank, not through the driver
-        current = lookahead.take(step)
-        source = current.generated
-        with timer("generate"):
+        with timer("generate"):      # multi-turn episodes are made right here, turn by turn
+            current = lookahead.take(step)
+            source = current.generated
             batch = current.collect()
             weights.arrived()               # the weights sent after the last update are in
         with timer("score"):
             for f in [m.future(source) for m in late]:
                 batch = batch.union(f.result())
             batch["scores"] = weighted_scores(batch, cfg.reward.terms())
+            batch["scores"] = episode_scores(batch, cfg.environment.failed_score)
 
         # 2. advantages, on the driver, of the samples the step trains on
         with timer("advantage"):

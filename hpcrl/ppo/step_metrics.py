@@ -74,6 +74,14 @@ METRICS: dict[str, Metric] = {
     "response_length/max": Metric("tokens", "longest response of the step"),
     "response_length/clip_ratio": Metric("fraction of responses", "share of responses without a stop token: cut at "
                                                                   "`train.rollout.max_new_tokens`"),
+    "env/turns": Metric("turns", "model turns per episode, mean over the step's episodes; multi-turn runs only "
+                                 "(`train.environment`)"),
+    "env/failed": Metric("fraction of episodes", "share of the step's episodes whose environment failed (raised, timed "
+                                                 "out, or lost its process): scored `train.environment.failed_score`, "
+                                                 "each named in the log"),
+    "env/<info>": Metric("per episode", "a number the environment reports in `Turn.info`, summed over an episode's "
+                                        "turns, mean over the step's episodes: `tool_calls` and `tool_errors` (malformed "
+                                        "calls, unknown tools, calls that failed) of the tool environment"),
     "val/score": Metric("score", "mean score of every held-out answer (`train.validation.dataset`, "
                                  "`train.validation.samples` answers per prompt); in the records of the steps "
                                  "validated: every `train.validation.every` steps, the last step, and step 0 with "
@@ -87,6 +95,8 @@ METRICS: dict[str, Metric] = {
                                    "training of the step before did not hide) and for the last weights sent"),
     "timing/score": Metric("s", "old log-probs, reference log-probs, values, and the scores not issued as soon as "
                                 "the batch existed"),
+    "timing/environment": Metric("s", "within `timing/generate`, the multi-turn episodes' waits for the env role "
+                                      "(starting episodes, answering turns); multi-turn runs only"),
     "timing/advantage": Metric("s", "the KL-shaped token rewards and the advantages, on the driver"),
     "timing/update_critic": Metric("s", "the critic's updates; not logged without a critic"),
     "timing/update_actor": Metric("s", "the actor's updates; not logged during the critic's warm-up"),
@@ -145,5 +155,8 @@ def step_record(step: int, batch: Batch, trained: Batch, terms: list[str], kl: d
                                                             mask)) if "rollout_log_probs" in batch else None,
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float((~batch["has_eos"]).float().mean()), **val,
-            **times, "timing/step": round(step_s, 4),
+            **{k: float(batch[k].float().mean()) for k in batch.tensors if k.startswith("env/")},
+            **times, **({"timing/environment": round(batch.meta["environment_seconds"], 4)}
+                        if "environment_seconds" in batch.meta else {}),
+            "timing/step": round(step_s, 4),
             "throughput/tokens_per_s": round(int(mask.sum() + batch["prompt_mask"].sum()) / train_s, 1)}

@@ -13,19 +13,21 @@ import numpy as np
 
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.episodes import episode_scores
 
 
 def validate(cfg: TrainConfig, held_out: PromptDataset, generate, reward, step: int) -> dict[str, float]:
-    """`generate`: the WorkerGroup that samples (actor_rollout or rollout); `reward`: the reward role's."""
+    """`generate`: prompts -> a future of the generated batch, or the batch (multi-turn episodes);
+    `reward`: the reward role's WorkerGroup."""
     scores, sources, lengths, clipped = [], [], [], []
     for prompts in held_out.in_order(cfg.data.batch_size):
         if cfg.validation.samples > 1:
             prompts = prompts.repeat(cfg.validation.samples)
         prompts.meta.update(step=step, validation=True)
-        gen = generate.generate_sequences.future(prompts)
+        gen = generate(prompts)
         scored = reward.compute_scores.future(gen)      # from the generating ranks to the reward's
-        out = gen.result()
-        scores += scored.result()["scores"].tolist()
+        out = gen.result() if hasattr(gen, "result") else gen
+        scores += episode_scores(out.union(scored.result()), cfg.environment.failed_score).tolist()
         sources += list(prompts["data_source"]) if "data_source" in prompts else [None] * len(prompts)
         lengths += out["response_mask"].sum(dim=1).tolist()
         clipped += (~out["has_eos"]).tolist()

@@ -8,7 +8,13 @@ from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.models.tokenizer import load_tokenizer
-from hpcrl.ppo.roles.custom import import_object
+from hpcrl.importing import import_object
+
+
+def response_texts(batch: Batch, tok) -> list[str]:
+    """Each sample's response as text: a multi-turn episode's last turn, its answer (`final_turn`)."""
+    starts = batch["final_turn"].tolist() if "final_turn" in batch else [0] * len(batch)
+    return [tok.decode(r[s:]) for r, s in zip(batch["responses"], starts)]
 
 
 class RewardError(RuntimeError):
@@ -35,7 +41,7 @@ class RuleReward(Checkpointed, Worker):
         names = [k for k in batch.arrays if k not in ("prompt", "index")]
         prompts = [batch["prompt"][i] if "prompt" in batch else self.tok.decode(batch["prompt_ids"][i])
                    for i in range(len(batch))]
-        responses = [self.tok.decode(r) for r in batch["responses"]]
+        responses = response_texts(batch, self.tok)
         if self.batched:
             try:
                 scores = list(self.fn(prompts, responses, **{k: list(batch[k]) for k in names}))

@@ -58,9 +58,10 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
                        gpu_memory_utilization=cfg.rollout.gpu_memory, seed=cfg.seed + rank)
 
 
-def step_seed(seed: int, step: int, rank: int, validation: bool = False) -> int:
-    """The seed of one rank's generation at one step (validation draws from seeds of its own)."""
-    return seed * 1_000_003 + step * 1009 + rank + (1 << 40 if validation else 0)
+def step_seed(seed: int, step: int, rank: int, validation: bool = False, turn: int = 0) -> int:
+    """The seed of one rank's generation at one step, and turn of a multi-turn episode (validation
+    draws from seeds of its own)."""
+    return seed * 1_000_003 + step * 1009 + rank + (turn << 32) + (1 << 40 if validation else 0)
 
 
 class Generates:
@@ -76,7 +77,8 @@ class Generates:
         meta["validation"]: the held-out prompts, at val_temperature (0: greedy). The output's
         meta["policy_version"] says which weights sampled it."""
         validation = bool(prompts.meta.get("validation"))
-        seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank, validation)
+        seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank, validation,
+                         int(prompts.meta.get("turn", 0)))
         temperature = self.cfg.validation.temperature if validation else self.cfg.rollout.temperature
         params = SamplingParams(self.cfg.rollout.max_new_tokens, temperature, self.cfg.rollout.top_p, self.cfg.rollout.top_k)
         out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params, seed)
