@@ -205,6 +205,15 @@ def test_files_of_the_host_cannot_be_read(tmp_path):
     assert result.stdout.splitlines() == [f"{path} FileNotFoundError" for path in paths]
 
 
+def test_the_callers_environment_does_not_reach_the_code(monkeypatch):
+    monkeypatch.setenv("HPCRL_SANDBOX_SECRET", "s3cr3t-43")
+    result = run("""
+        import os
+        print(sorted(os.environ), open('/proc/1/environ').read() == '')
+        """)
+    assert result.stdout == "['HOME', 'LANG', 'PATH', 'PWD'] True\n", result.summary()
+
+
 def test_the_network_is_unreachable_even_on_this_machine():
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
