@@ -7,6 +7,8 @@ responses of hundreds of tokens most of that can be padding. A micro-batch keeps
 that hold a real token in some row (`trim`), and, given a token budget, holds as many rows as fit
 in it (`micro_batches`), so that long and short samples neither run out of memory nor spend the
 compute on padding. Outputs of a trimmed micro-batch are padded back to R (`pad_responses`).
+Packed (`pack`), a micro-batch's forward runs on its rows as one row without any padding
+(hpcrl.models.packing), and its token budget counts their real tokens.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.controller.batch import Batch
+from hpcrl.models.packing import PACKED
 
 _SEQUENCE = ("input_ids", "attention_mask")
 _PROMPT = ("prompt_ids", "prompt_mask")
@@ -59,21 +62,23 @@ def pad_responses(out: dict[str, torch.Tensor], width: int) -> dict[str, torch.T
 
 
 def micro_batches(batch: Batch, size: int, tokens: int = 0, equal_across_ranks: bool = False,
-                  device: torch.device | str = "cpu") -> list[Batch]:
+                  device: torch.device | str = "cpu", pack: bool = False) -> list[Batch]:
     """Consecutive micro-batches of at most `size` rows and, with a budget, at most `tokens`
-    tokens each once trimmed (rows × (longest prompt + longest response); a row longer than the
-    budget goes alone).
+    tokens each (a row longer than the budget goes alone): once trimmed, rows × (longest prompt +
+    longest response); `pack`ed, the sum of the rows' real lengths, and each micro-batch is marked
+    for a packed forward (meta PACKED).
     `equal_across_ranks`: every rank of the group gets as many (sharded models run collectives in
     every forward), the ranks with fewer splitting their largest micro-batches."""
     n = len(batch)
     if tokens and "prompt_mask" in batch and "response_mask" in batch:
-        bounds, start, p, r = [], 0, 0, 0
+        bounds, start, p, r, total = [], 0, 0, 0, 0
         for i, (pi, ri) in enumerate(zip(*(x.tolist() for x in real_lengths(batch)))):
             rows = i - start
-            if rows and (rows == size or (rows + 1) * (max(p, pi) + max(r, ri)) > tokens):
+            cost = total + pi + ri if pack else (rows + 1) * (max(p, pi) + max(r, ri))
+            if rows and (rows == size or cost > tokens):
                 bounds.append((start, i))
-                start, p, r = i, 0, 0
-            p, r = max(p, pi), max(r, ri)
+                start, p, r, total = i, 0, 0, 0
+            p, r, total = max(p, pi), max(r, ri), total + pi + ri
         bounds.append((start, n))
     else:
         bounds = [(s, min(s + size, n)) for s in range(0, n, max(1, size))]
@@ -84,4 +89,8 @@ def micro_batches(batch: Batch, size: int, tokens: int = 0, equal_across_ranks: 
             k = max(range(len(bounds)), key=lambda j: bounds[j][1] - bounds[j][0])
             a, b = bounds[k]
             bounds[k:k + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
-    return [trim(batch.index(slice(a, b))) for a, b in bounds if b > a]
+    micro = [trim(batch.index(slice(a, b))) for a, b in bounds if b > a]
+    if pack:
+        for mb in micro:
+            mb.meta[PACKED] = True
+    return micro

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from hpcrl.models.packing import PACKED, Packed, to_rows
 from hpcrl.models.tokenizer import CharTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,7 +68,8 @@ HEAD_CHUNK_BYTES = {"cuda": 2**30, "cpu": 256 * 2**20}
 
 
 def response_log_probs(model, input_ids, attention_mask, responses, temperature: float = 1.0,
-                       with_entropy: bool = False, chunk_tokens: int | None = None, compile: bool = False):
+                       with_entropy: bool = False, chunk_tokens: int | None = None, compile: bool = False,
+                       packed: bool = False):
     """log π(response token | everything before it) under `model` at `temperature`, for sequences
     laid out as [left-padded prompt | right-padded response]. Returns (log_probs, entropy or None),
     fp32, (b, r).
@@ -84,32 +86,44 @@ def response_log_probs(model, input_ids, attention_mask, responses, temperature:
     made or kept, the saved activations are the hidden states. Models without a plain linear head (not in
     PLAIN_HEAD_MODEL_TYPES) take the full logits instead. `compile`: on CUDA, each chunk's work after
     its matmul (softmax, gather, entropy; in the backward the gradient of the logits) is one
-    Inductor kernel instead of a pass over the chunk's logits per operation."""
+    Inductor kernel instead of a pass over the chunk's logits per operation. `packed`: the forward
+    runs on the rows packed into one without padding (hpcrl.models.packing), the results the same."""
     from torch.nn.parallel import DistributedDataParallel
 
     lm = model.module if isinstance(model, DistributedDataParallel) else model
     head = _plain_output_layer(lm)
+    # Only the positions that predict the response go through the output layer (a 150k vocabulary
+    # over the whole prompt would be most of the step): the last r + 1 of each padded row (the first r
+    # of them predict), or, packed, the n that predict the real response tokens.
+    if packed:
+        pk = Packed.of(input_ids, attention_mask)
+        keep, valid = pk.response_positions(responses.shape[1])
+        inputs = {"input_ids": pk.input_ids, "position_ids": pk.position_ids, "logits_to_keep": keep}
+        labels = responses[valid][None]
+    else:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+                  "position_ids": position_ids(attention_mask), "logits_to_keep": responses.shape[1] + 1}
+        labels = responses
     if head is None:
-        return _full_logits_log_probs(model, input_ids, attention_mask, responses, temperature, with_entropy)
-    # The scorer takes the head's place inside the model's forward, where a data-parallel wrapper
-    # has the head's weight gathered (FSDP2) and counts it as used (DDP).
-    with _output_layer(lm, _ResponseScorer(head, responses, temperature, with_entropy, chunk_tokens, compile)):
-        scores = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                       use_cache=False, logits_to_keep=responses.shape[1] + 1).logits
-    return scores[..., 0], (scores[..., 1] if with_entropy else None)
+        logp, ent = _full_logits_log_probs(model, inputs, labels, temperature, with_entropy)
+    else:
+        # The scorer takes the head's place inside the model's forward, where a data-parallel wrapper
+        # has the head's weight gathered (FSDP2) and counts it as used (DDP).
+        with _output_layer(lm, _ResponseScorer(head, labels, temperature, with_entropy, chunk_tokens, compile)):
+            scores = model(**inputs, use_cache=False).logits
+        logp, ent = scores[..., 0], (scores[..., 1] if with_entropy else None)
+    if packed:
+        logp, ent = to_rows(logp, valid), (to_rows(ent, valid) if with_entropy else None)
+    return logp, ent
 
 
-def _full_logits_log_probs(model, input_ids, attention_mask, responses, temperature, with_entropy):
-    """response_log_probs from the model's own logits of the response positions."""
+def _full_logits_log_probs(model, inputs: dict, labels, temperature, with_entropy):
+    """response_log_probs from the model's own logits of the positions that `inputs` keeps."""
     from hpcrl.algo import entropy_from_logits
 
-    r = responses.shape[1]
-    # only the positions that predict the response go through the output layer (a 150k vocabulary
-    # over the whole prompt would be most of the step)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                   use_cache=False, logits_to_keep=r + 1).logits
-    logits = logits[:, -r - 1:-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    logits = model(**inputs, use_cache=False).logits
+    logits = logits[:, :labels.shape[1]].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     return logp, (entropy_from_logits(logits) if with_entropy else None)
 
 
@@ -134,8 +148,8 @@ def _output_layer(lm, layer: torch.nn.Module):
 
 
 class _ResponseScorer(torch.nn.Module):
-    """In place of the output layer during one forward over the last r + 1 positions: the (b, r, 1)
-    log-probs of the response tokens, or (b, r, 2) log-probs and entropy."""
+    """In place of the output layer during one forward whose first r kept positions predict the
+    (b, r) response tokens: their (b, r, 1) log-probs, or (b, r, 2) log-probs and entropy."""
 
     def __init__(self, head: torch.nn.Linear, responses, temperature: float, with_entropy: bool,
                  chunk_tokens: int | None, compile: bool):
@@ -145,10 +159,10 @@ class _ResponseScorer(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         b, r = self.responses.shape
-        h = hidden[:, :-1].reshape(b * r, -1)   # the last position predicts nothing of the response
+        h = hidden[:, :r].reshape(b * r, hidden.shape[-1])   # a padded row's last kept position predicts nothing of the response
         logp, ent = head_log_probs(h, self.head.weight, self.responses.reshape(-1), self.temperature,
                                    self.with_entropy, self.chunk_tokens, self.compile)
-        return torch.stack([logp, ent] if self.with_entropy else [logp], dim=-1).view(b, r, -1)
+        return torch.stack([logp, ent] if self.with_entropy else [logp], dim=-1).view(b, r, 1 + self.with_entropy)
 
 
 def head_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float,
@@ -240,6 +254,6 @@ def log_probs_head(temperature: float, with_entropy: bool, compile: bool = False
     """The actor's and reference's forward for an engine: {"log_probs"[, "entropy"]} of a micro-batch."""
     def forward(model, mb) -> dict:
         logp, ent = response_log_probs(model, mb["input_ids"], mb["attention_mask"], mb["responses"], temperature,
-                                       with_entropy, compile=compile)
+                                       with_entropy, compile=compile, packed=mb.meta.get(PACKED, False))
         return {"log_probs": logp} | ({"entropy": ent} if with_entropy else {})
     return forward

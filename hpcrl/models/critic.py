@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from hpcrl.models.causal_lm import position_ids
+from hpcrl.models.packing import PACKED, Packed
 
 
 class ValueModel(torch.nn.Module):
@@ -37,17 +38,23 @@ class ValueModel(torch.nn.Module):
             torch.nn.init.normal_(self.head.weight, std=1.0 / (cfg.hidden_size + 1) ** 0.5)
             torch.nn.init.zeros_(self.head.bias)
 
-    def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+    def forward(self, input_ids, attention_mask, packed: bool = False):
+        """(B, L) values; `packed`: computed on the rows packed into one (hpcrl.models.packing), 0 at padding."""
+        if not packed:
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                   position_ids=position_ids(attention_mask), use_cache=False).last_hidden_state
+            return self.head(hidden).squeeze(-1).float()
+        pk = Packed.of(input_ids, attention_mask)
+        hidden = self.backbone(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False).last_hidden_state
+        return pk.unpack(self.head(hidden).squeeze(-1).float())
 
 
-def response_values(model: ValueModel, input_ids, attention_mask, response_len: int) -> torch.Tensor:
+def response_values(model: ValueModel, input_ids, attention_mask, response_len: int, packed: bool = False) -> torch.Tensor:
     """V_t for response token t: the value of the prefix that precedes it."""
-    return model(input_ids, attention_mask)[:, -response_len - 1:-1]
+    return model(input_ids, attention_mask, packed=packed)[:, -response_len - 1:-1]
 
 
 def values_head(model: ValueModel, mb) -> dict:
     """The critic's forward for an engine: {"values"} of a micro-batch's response tokens."""
-    return {"values": response_values(model, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1])}
+    return {"values": response_values(model, mb["input_ids"], mb["attention_mask"], mb["responses"].shape[1],
+                                      mb.meta.get(PACKED, False))}

@@ -344,6 +344,11 @@ class OptimSettings(Settings):
     """> 0: a micro-batch also holds at most this many tokens (rows × (longest prompt + longest
     response), the padding all its rows share cut away), so long and short samples neither run out of
     memory nor compute on padding (torch engine)"""
+    pack: bool = False
+    """each micro-batch's forward runs on its sequences packed into one row with no padding at all, each
+    sequence attending only to itself, and micro_batch_tokens (if > 0) counts their real tokens (the sum
+    of their lengths): the same results, less compute when response lengths vary (torch engine; a GPU
+    skips the work across sequences only with flash-attn, see the packing how-to)"""
     actor_lr: Annotated[float, Field(gt=0)] = 1e-3
     """actor AdamW learning rate"""
     critic_lr: Annotated[float, Field(gt=0)] = 2e-3
@@ -522,6 +527,8 @@ class TrainConfig(Settings):
         if self.optim.micro_batch_tokens and self.engine.backend == "megatron":
             p.append("optim.micro_batch_tokens: needs engine.backend: torch (megatron's pipeline sends micro-batches "
                      "of one shape); set it to 0")
+        if self.optim.pack and self.engine.backend == "megatron":
+            p.append("optim.pack: needs engine.backend: torch (the megatron engine does not pack); set it to false")
         return p
 
     def with_paths_from(self, base: Path) -> TrainConfig:

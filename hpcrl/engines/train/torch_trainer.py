@@ -2,7 +2,8 @@
 and data parallelism within a role: DDP on CPU (gloo), FSDP2 (`fully_shard`, one unit per decoder
 layer) on GPUs. On a GPU the forward runs under bf16 autocast (master weights and optimizer state
 stay fp32) with PyTorch's SDPA attention, each decoder layer compiled by Inductor on one GPU
-(`compile`), and AdamW is the fused kernel.
+(`compile`), and AdamW is the fused kernel. `pack`: each micro-batch's forward runs on its sequences
+packed into one row without padding (hpcrl.models.packing says how, and which attention a GPU takes).
 
 The engine is told what the role computes (`forward(module, micro_batch) -> {name: per-token
 tensor}`, e.g. response log-probs or values) and trains on a loss of those outputs, so roles never
@@ -59,11 +60,13 @@ def all_sum(x: float, device: torch.device, group=None) -> float:
 class TorchTrainer:
     """loss_fn(out, micro_batch, total_tokens, total_seqs) -> (loss, stats): the loss of the micro-batch
     as its share of the whole mini-batch (the totals span every micro-batch and every rank), where
-    `out` is forward(module, micro_batch). cfg None: inference only (a frozen role)."""
+    `out` is forward(module, micro_batch). cfg None: inference only (a frozen role). `pack`: micro-batches
+    are marked for a packed forward, their token budget counting real tokens (micro_batches)."""
 
     def __init__(self, module: torch.nn.Module, cfg: OptimConfig | None, forward: Forward,
-                 device: torch.device | str = "cpu", precision: str = "auto", compile: bool = True):
-        self.cfg, self.forward = cfg, forward
+                 device: torch.device | str = "cpu", precision: str = "auto", compile: bool = True,
+                 pack: bool = False):
+        self.cfg, self.forward, self.pack = cfg, forward, pack
         self.device = torch.device(device)
         self.bf16 = use_bf16(precision, self.device)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -103,7 +106,7 @@ class TorchTrainer:
     def infer(self, batch: Batch, micro_batch_size: int, micro_batch_tokens: int = 0) -> Batch:
         """forward over the batch in micro-batches, without gradients; float32 results on the CPU."""
         self.module.eval()     # the bare module (DDP's forward would sync buffers; FSDP2's is this module)
-        micro = micro_batches(batch, micro_batch_size, micro_batch_tokens, self.sharded, self.device)
+        micro = micro_batches(batch, micro_batch_size, micro_batch_tokens, self.sharded, self.device, self.pack)
         width = batch["responses"].shape[1] if "responses" in batch else 0
         outs = [pad_responses(self._run(self.module, mb), width) for mb in micro]
         return Batch({k: torch.cat([o[k] for o in outs]).float().cpu() for k in outs[0]})
@@ -115,7 +118,8 @@ class TorchTrainer:
         mask = batch[mask_key]
         total_tokens = all_sum(float(mask.sum()), self.device)
         total_seqs = all_sum(float((mask.sum(dim=1) > 0).sum()), self.device)
-        micro = micro_batches(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens, self.sharded, self.device)
+        micro = micro_batches(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens, self.sharded, self.device,
+                              self.pack)
         # Every value summed over micro-batches and ranks: the loss is already each piece's share of the
         # mini-batch's; the stats (token means within a piece) are weighted by the piece's token share.
         sums: dict[str, float] = {}

@@ -42,7 +42,7 @@ def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch
         module, forward = ValueModel(model_dir), values_head
     else:
         module, forward = load_causal_lm(model_dir), log_probs_head(cfg.rollout.temperature, lr is not None, cfg.engine.compile)
-    return TorchTrainer(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile)
+    return TorchTrainer(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile, cfg.optim.pack)
 
 
 def ppo_updates(engine, batch: Batch, cfg: TrainConfig, world_size: int, seed: list[int], loss_fn) -> dict:
