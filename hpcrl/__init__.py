@@ -22,7 +22,9 @@ _API = {"JobSpec": "hpcrl.jobspec", "SpecError": "hpcrl.jobspec", "load_spec": "
         "connect": "hpcrl.raycluster",
         # for your own roles and driver (docs: how-to/own-role.md)
         "Worker": "hpcrl.controller", "register": "hpcrl.controller", "Dispatch": "hpcrl.controller",
-        "Batch": "hpcrl.controller.batch", "RunContext": "hpcrl.ppo.context"}
+        "Batch": "hpcrl.controller.batch", "RunContext": "hpcrl.ppo.context",
+        # for your own environments (docs: how-to/environments.md)
+        "Environment": "hpcrl.environments", "Turn": "hpcrl.environments"}
 
 __all__ = [*_API, "__version__"]
 

@@ -4,6 +4,7 @@ template's rendering of the whole conversation, episodes of the real SmolLM2 wri
 by the rollout role and answered by the env role (both real workers, in this process), failed
 episodes, and GAE over the model's tokens against a numpy version that never sees an observation."""
 import asyncio
+import itertools
 import json
 import random
 import shutil
@@ -162,7 +163,7 @@ def test_episodes_of_a_real_model_are_its_conversation_as_the_template_renders_i
     exactly the model's turns, each turn's reward sits on its stop token, and the reward role reads the last turn."""
     from transformers import AutoTokenizer
 
-    cfg = TrainConfig.parse({"rollout": {"max_new_tokens": 40},
+    cfg = TrainConfig.parse({"rollout": {"max_new_tokens": 16},      # some turns are cut: they go on, a stop token put after
                              "environment": {"cls": "test_environments:Nudge", "max_turns": 3, "max_tokens": 300}})
     tok, hf = load_tokenizer(smollm2), AutoTokenizer.from_pretrained(smollm2, local_files_only=True)
     rollout, env = local_worker(Rollout, str(smollm2), cfg), local_worker(Environments, "test_environments:Nudge", {}, 5.0)
@@ -176,18 +177,18 @@ def test_episodes_of_a_real_model_are_its_conversation_as_the_template_renders_i
     for i, q in enumerate(questions):
         seen = out["attention_mask"][i, width:].bool()
         response, model = out["responses"][i][seen].tolist(), out["response_mask"][i][seen].bool()
-        turns = hf.decode([t for t, m in zip(response, model) if m]).split("<|im_end|>")
-        turns = turns[:-1] if turns[-1] == "" else turns       # the last one may have run out of tokens
-        assert len(turns) == int(out["env/turns"][i]) and len(turns) >= 2, f"episode {i}: {hf.decode(response)!r}"
+        runs = [[t for t, _ in run] for m, run in itertools.groupby(zip(response, model.tolist()), lambda x: x[1]) if m]
+        turns = [hf.decode(run).removesuffix("<|im_end|>") for run in runs]      # a turn cut short has no stop token
+        assert len(turns) == int(out["env/turns"][i]) == 3, f"episode {i}: {hf.decode(response)!r}"
         conversation = [{"role": "user", "content": q}]
         for k, t in enumerate(turns):
             conversation.append({"role": "assistant", "content": t})
             if k < len(turns) - 1:
                 conversation.append({"role": "user", "content": "Say it again, shorter."})
         rendered = hf.apply_chat_template(conversation, tokenize=False)
-        assert hf.decode(ids[i] + response) == rendered.rstrip("\n").removesuffix("<|im_end|>" if not out["has_eos"][i] else "")
-        stops = [k for k, (t, m) in enumerate(zip(out["responses"][i].tolist(), out["response_mask"][i])) if m and t in tok.stop_ids]
-        assert torch.nonzero(out["turn_rewards"][i]).flatten().tolist() == stops[:len(turns) - 1]    # the answered turns
+        assert hf.decode(ids[i] + response) == rendered.rstrip("\n").removesuffix("" if out["has_eos"][i] else "<|im_end|>")
+        ends = [k for k, (m, after) in enumerate(zip(out["response_mask"][i], out["response_mask"][i][1:])) if m and not after]
+        assert torch.nonzero(out["turn_rewards"][i]).flatten().tolist() == ends[:2]     # the answered turns' last tokens
         assert tok.decode(out["responses"][i][int(out["final_turn"][i]):]) == turns[-1]
         assert out["rollout_log_probs"][i][seen][~model].eq(0).all() and out["rollout_log_probs"][i][seen][model].lt(0).all()
     fn = local_worker(RuleReward, str(smollm2), "test_environments:is_ground_truth")
@@ -256,3 +257,16 @@ def test_gae_over_a_multi_turn_response_is_gae_over_the_models_tokens_alone():
             want[t] = last
         np.testing.assert_allclose(adv[row].numpy()[keep], want, rtol=1e-10)
         assert np.all(adv[row].numpy()[~keep] == 0)
+
+
+def test_the_python_tool_runs_in_the_sandbox_and_what_it_refuses_is_a_tool_error():
+    env = ToolEnvironment(tools=[{"python": {"wall_s": 3, "cpu_s": 1}}])
+    call = '<tool_call>{{"name": "python", "arguments": {{"code": {}}}}}</tool_call>'
+
+    async def turns(*programs):
+        await env.start({})
+        return [await env.step(call.format(json.dumps(p))) for p in programs]
+    ok, spin, peek = asyncio.run(turns("print(sum(range(10)))", "while True: pass", "print(open('/etc/passwd').read())"))
+    assert ok.observation == [{"role": "tool", "content": "45"}] and ok.info == {"tool_calls": 1, "tool_errors": 0}
+    assert "CPU time limit" in spin.observation[0]["content"] and spin.info["tool_errors"] == 1
+    assert "FileNotFoundError" in peek.observation[0]["content"] and peek.info["tool_errors"] == 1

@@ -68,7 +68,7 @@ def test_a_field_holding_a_model_gets_a_table_at_its_path():
 
 ROLES = {"ppo": {"actor_rollout": None, "critic": None, "ref": None, "reward": None,
                  "rule_engine": "hpcrl.jobs.rule_engine:RuleEngineWorker"},
-         "grpo": {"actor_rollout": None, "reward": None}}
+         "grpo": {"actor_rollout": None, "reward": None, "env": None}}
 """Each run's roles, and the worker class of a role of your own."""
 HELD_OUT = [{"prompt": "12=", "data_source": "copy"}, {"prompt": "34=", "data_source": "other"}]
 
@@ -83,7 +83,11 @@ def training_settings(held_out) -> dict[str, dict]:
                     "val_before_train": True,
                     "rewards": [{"role": "reward"},
                                 {"role": "rule_engine", "method": "compute_rule_score", "weight": 0.5}]},
-            "grpo": {**small, "colocate": [list(ROLES["grpo"])], "advantage": "grpo", "n_samples": 2, "kl_coef": 0.0}}
+            "grpo": {**small, "colocate": [list(ROLES["grpo"])], "advantage": "grpo", "n_samples": 2, "kl_coef": 0.0,
+                     # multi-turn, with the built-in tool task's calculator: the env/ metrics
+                     "data": {"task": "tool_sums"}, "max_new_tokens": 6,
+                     "environment": {"cls": "hpcrl.ppo.tasks.tool_sums:SumsEnvironment", "max_turns": 2,
+                                     "max_tokens": 16}}}
 
 
 def train_locally(run_dir, train: dict, roles: dict[str, str | None]) -> None:
@@ -104,7 +108,7 @@ def train_locally(run_dir, train: dict, roles: dict[str, str | None]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The run directories of a PPO run (critic, reference, two reward terms, validation on prompts
-    of two data sources) and a GRPO run, 2 steps each."""
+    of two data sources) and a multi-turn GRPO run, 2 steps each."""
     tmp = tmp_path_factory.mktemp("runs")
     held_out = tmp / "held_out.jsonl"
     held_out.write_text("".join(json.dumps(p) + "\n" for p in HELD_OUT))

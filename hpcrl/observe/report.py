@@ -32,8 +32,11 @@ CURVES = [
     ("response_length.png", "Response length", [("response_length/mean", "mean"), ("response_length/max", "max"),
                                                  ("val/response_length/mean", "held-out mean")], "tokens"),
     ("throughput.png", "Throughput", [("throughput/tokens_per_s", "tokens/s")], "tokens / s"),
-    ("step_time.png", "Time per step", [("timing/step", "step"), ("timing/generate", "waiting for its batch")],
-     "seconds"),
+    ("episodes.png", "Multi-turn episodes", [("env/turns", "turns"), ("env/tool_calls", "tool calls"),
+                                             ("env/tool_errors", "tool errors"), ("env/failed", "failed")],
+     "per episode"),
+    ("step_time.png", "Time per step", [("timing/step", "step"), ("timing/generate", "waiting for its batch"),
+                                        ("timing/environment", "of which the environment")], "seconds"),
 ]
 TIMELINE_STEPS = 6    # the timeline shows the last few steps: a whole run's calls would merge into one bar
 

@@ -8,8 +8,10 @@
                    as the chat template renders them after the turn's stop token (encode_followup)
 
 An episode ends when its environment says so, at its turn limit, when its next turn or observation
-would not fit its token budget (environment.max_tokens), when the model stops without a stop token,
-or when its environment fails (then it is named in the log and scored environment.failed_score).
+would not fit its token budget (environment.max_tokens), or when its environment fails (then it is
+named in the log and scored environment.failed_score). A turn cut at rollout.max_new_tokens still
+goes to the environment, and the stop token it lacks is put after it, as part of the observation
+(the model is not trained on it): the template renders every turn with one.
 The result is one Batch laid out as a single-turn one — [left-padded prompt | response] — whose
 response holds every turn and observation: `response_mask` marks the model's tokens only (the loss,
 KL and advantages see nothing else), the attention mask every token, `turn_rewards` each turn's
@@ -99,8 +101,7 @@ class _Episode:
         self.failure, self.done = why, True
 
     def add_turn(self, tokens, mask, logp, eos: bool, budget: int, tok) -> str:
-        """The turn's sampled tokens, cut to the budget; returns its text. Without its stop token
-        (cut at max_new_tokens or the budget), the episode ends here."""
+        """The turn's sampled tokens, cut to the budget (which ends the episode); returns its text."""
         length = int(mask.sum())
         take = min(length, budget - len(self.tokens))
         self.final, self.turns = len(self.tokens), self.turns + 1
@@ -108,7 +109,7 @@ class _Episode:
         self.model += [1] * take
         self.logp += logp[:take].tolist()
         self.eos = eos and take == length
-        self.done = not self.eos
+        self.done = take < length or len(self.tokens) >= budget
         return tok.decode(tokens[:take].tolist())
 
     def answer(self, answers: Batch, i: int, budget: int, tok) -> None:
@@ -124,7 +125,7 @@ class _Episode:
         if bool(answers["env_done"][i]):
             self.done = True
             return
-        seen = tok.encode_followup(answers["observation"][i])
+        seen = ([] if self.eos else tok.stop_ids[:1]) + tok.encode_followup(answers["observation"][i])
         if len(self.tokens) + len(seen) >= budget:
             self.done = True
             return
@@ -162,6 +163,7 @@ def _assemble(ep: list[_Episode], prompts: Batch, width: int, pad_id: int, meta:
                "input_ids": torch.cat([prompts["prompt_ids"], responses], dim=1),
                "attention_mask": torch.cat([prompts["prompt_mask"], seen], dim=1),
                "env/turns": torch.tensor([float(e.turns) for e in ep]),
+               "env/reward": torch.tensor([sum(e.rewards.values()) for e in ep], dtype=torch.float32),
                "env/failed": torch.tensor([bool(e.failure) for e in ep]),
                **{f"env/{k}": torch.tensor([float(e.info.get(k, 0.0)) for e in ep]) for k in keys}}
     return Batch(tensors, meta=meta)

@@ -1,11 +1,14 @@
 """Sums with a calculator: the prompt "37+45=" is answered "82", by a model too small to add, through
-a calculator it calls over two turns.
+a calculator it calls.
 
-A turn that ends with "=" calls the calculator on what precedes it: "37+45=" is answered "82="
-(an expression it cannot read: "="), and the model's next turn is its answer; a turn without "="
-is the answer. score = share of the answer's digits given in place, as the copy task scores
-(hpcrl/ppo/tasks/copy_digits.py). Without the environment the model must answer at once, from
-the prompt alone: the same task, to compare against.
+A turn that starts with "=" is the answer ("=82"); any other calls the calculator on what it holds
+before its first "=": "37+45" is answered "82=" (an expression it cannot read: "="), and the next
+turn, the last, is the answer. The answer scores the share of the sum's digits it gives in place
+(its leading "=" dropped), as the copy task scores (hpcrl/ppo/tasks/copy_digits.py). A call earns
+`call_reward` × the share of the prompt's expression it repeats in place: a per-turn reward that
+leads a randomly initialised model to the right call, which the answer alone would reward only once
+the model also copied the result. Without the environment the model must answer at once, from the
+prompt alone: the same task, to compare against.
 
     train:
       data: {task: tool_sums, task_digits: 2}
@@ -35,17 +38,26 @@ def write_prompts(path: Path, n: int, digits: int, seed: int) -> Path:
 
 
 def score(prompt: str, response: str, answer: str = "", **_) -> float:
+    response = response.removeprefix("=")
     return sum(a == b for a, b in zip(response, answer)) / len(answer)
 
 
 class SumsEnvironment(Environment):
-    """The calculator, called by a turn that ends with "="."""
+    """The calculator, called by every turn that does not start with "="."""
+
+    def __init__(self, call_reward: float = 0.5):
+        self.call_reward = call_reward
+
+    async def start(self, row: dict) -> None:
+        self.question = str(row["prompt"]).rstrip("=")
 
     async def step(self, text: str) -> Turn:
-        if not text.endswith("="):
+        if text.startswith("="):
             return Turn(done=True)
+        expression = text.split("=")[0]
         try:
-            result, failed = Calculator().evaluate(text[:-1]), 0
+            result, failed = Calculator().evaluate(expression), 0
         except ToolError:
             result, failed = "", 1
-        return Turn(f"{result}=", info={"tool_calls": 1, "tool_errors": failed})
+        repeated = sum(a == b for a, b in zip(expression, self.question)) / len(self.question)
+        return Turn(f"{result}=", reward=self.call_reward * repeated, info={"tool_calls": 1, "tool_errors": failed})

@@ -1,0 +1,51 @@
+"""Multi-turn training end to end on the real local cluster: jobs/tiny-cpu-tools.yaml as a hetjob,
+the env role on a cpu component of its own. The tiny model learns to call the calculator for sums
+it cannot do, and to answer with what the calculator said; its env process is killed on the way
+and rebuilt, and the run goes on."""
+import json
+import random
+
+import numpy as np
+import pytest
+import yaml
+from conftest import ROOT, job_finished, kill_dead, slurm_log, submit, wait_until, with_train
+
+from hpcrl.observe.metrics import read_metrics
+from hpcrl.observe.status import read_events
+
+STEPS = 150
+
+
+@pytest.mark.slurm
+def test_the_tool_using_hetjob_learns_and_goes_on_after_its_environment_is_killed(slurm_cluster, tmp_path):
+    spec = with_train(yaml.safe_load((ROOT / "jobs" / "tiny-cpu-tools.yaml").read_text()), total_steps=STEPS,
+                      progress=False)
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    run = tmp_path / "run"
+    job = submit(path, run)
+    seed = random.randrange(2**32)
+    kill_at = random.Random(seed).randint(5, 30)
+    print(f"the env process is killed after step {kill_at} (seed {seed})")       # shown with a failure
+    wait_until(lambda: len(read_metrics(run / "metrics.jsonl")) >= kill_at, 600, f"{kill_at} steps (seed {seed})")
+    roles = json.loads((run / "status.json").read_text())["roles"]
+    kill_dead(roles["env"]["ranks"][0]["pid"])
+    wait_until(lambda: job_finished(job), 1200, "the job")
+    records = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), slurm_log(run)
+    rebuilt = [(e["event"], e["role"]) for e in read_events(run) if e["event"] in ("rebuild", "rebuilt")]
+    assert rebuilt == [("rebuild", "env"), ("rebuilt", "env")], slurm_log(run)
+    # the env role ran on the cpu partition, in a component of its own
+    components = json.loads((run / "allocation.json").read_text())["components"]
+    assert [(c["members"], c["partition"]) for c in components] == [(["actor_rollout", "reward"], "a100"),
+                                                                    (["env"], "cpu")]
+    first, last = records[:10], records[-10:]
+
+    def mean(rs, key):
+        return float(np.mean([r[key] for r in rs]))
+    # it calls, with the prompt's expression (the call's reward: its share of the expression), and
+    # answers with the result: the score a model that cannot add reaches only through the calculator
+    assert mean(first, "env/tool_calls") > 0.8 and mean(last, "env/tool_calls") > 0.95
+    assert mean(last, "env/reward") > mean(first, "env/reward") + 0.3, (mean(first, "env/reward"), mean(last, "env/reward"))
+    assert mean(last, "reward/mean") > mean(first, "reward/mean") + 0.3, (mean(first, "reward/mean"), mean(last, "reward/mean"))
+    assert all(r["env/turns"] <= 2 for r in records)
