@@ -140,14 +140,18 @@ def test_lora_with_megatron_or_no_layer_to_adapt_is_refused(inputs):
 
 
 def test_a_ppo_run_exports_its_adapter_for_peft_and_merged(tmp_path):
-    """A real local PPO run (critic with adapters too), then `hpcrl export`: the adapter folder that
+    """A real local PPO run (critic with adapters too; a rollout role apart, which loads the actor's
+    merged weights by name after every update), then `hpcrl export`: the adapter folder that
     peft loads onto the base computes what the trained actor does; --merged is a plain HF model
     of the same outputs; the critic exports merged as a token classifier of the trained values."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     cfg = TrainConfig(total_steps=2, progress=False).updated(batch_size=8, mini_batch_size=8, micro_batch_size=8,
-                                                             warmup_steps=0, lora={"rank": 4, "alpha": 8.0})
-    run_local(tmp_path / "run", cfg)
+                                                             warmup_steps=0, lora={"rank": 4, "alpha": 8.0},
+                                                             rollout={"own_role": True})
+    records = run_local(tmp_path / "run", cfg)
+    # step 2 samples with step 1's merged weights and the actor recomputes them with its adapters
+    assert records[-1]["rollout/log_prob_diff"] < 1e-5, records[-1]
     store = CheckpointStore(tmp_path / "run")
     _, manifest = store.latest_good()
     files = {role: store.root / entry["path"] for role, entry in manifest["roles"].items()}
