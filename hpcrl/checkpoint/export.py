@@ -78,7 +78,8 @@ def export_role(store: CheckpointStore, role: str, model_dir: str | Path, out_di
     shutil.rmtree(staged, ignore_errors=True)
     if is_adapter_state(state["role"].get("model", {})):
         if lora is None or not lora.rank:
-            raise ValueError(f"{role} of step {step} holds LoRA adapters, but the run's train.lora.rank is 0")
+            raise ValueError(f"{role} of step {step} holds LoRA adapters, but no train.lora settings with a rank "
+                             "came with it (the run's spec has lora.rank: 0?)")
         if role not in VALUE_ROLES and not merged:
             save_adapter(model_dir, lora, state["role"]["model"], staged, torch_dtype)
             return _replace(out, staged)

@@ -51,18 +51,13 @@ def scalings(module: torch.nn.Module) -> dict[str, float]:
     """Module name of every adapted layer -> its scaling (alpha / rank)."""
     from peft.tuners.lora import LoraLayer
 
-    out = {}
-    for name, layer in module.named_modules():
-        if isinstance(layer, LoraLayer):
-            if layer.fan_in_fan_out or layer.use_dora.get(ADAPTER):
-                raise ValueError(f"{name}: merging supports plain LoRA on Linear layers only")
-            out[name] = layer.scaling[ADAPTER]
-    return out
+    return {name: layer.scaling[ADAPTER] for name, layer in module.named_modules() if isinstance(layer, LoraLayer)}
 
 
 def merge(state: dict[str, torch.Tensor], scaling: dict[str, float]) -> dict[str, torch.Tensor]:
     """A LoRA module's state dict -> the merged model's, by a plain model's names. The same
-    arithmetic as peft's merge_and_unload: W_base + (B @ A) * scaling."""
+    arithmetic as peft's merge_and_unload of plain LoRA on Linear layers (what lora_config makes):
+    W_base + (B @ A) * scaling."""
     out = {}
     for name, value in state.items():
         if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
