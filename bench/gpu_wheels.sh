@@ -1,7 +1,7 @@
 #!/bin/bash
 # Wheels for the GPU machine (Python 3.12, torch on the image, no internet), into .whl/ (git-ignored
 # through .git/info/exclude): ray without its Java jar and source maps (to fit the 64 MiB transfer),
-# megatron-core, TRL 1.12 (the last release with PPOTrainer), gguf (SmolLM2's conversion) and what they need beyond
+# megatron-core, TRL 1.12 (the last release with PPOTrainer), gguf (SmolLM2's conversion), peft (bench/lora.py) and what they need beyond
 # the image.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ pip_get() {
 }
 pip_get ray==2.60.0 megatron-core==0.19.2 trl==1.12.0 datasets==4.7.0 dill==0.4.0 multiprocess==0.70.18 \
   jsonschema jsonschema-specifications referencing rpds-py submitit pydantic pydantic-core annotated-types typing-inspection \
-  gguf==0.19.0
+  gguf==0.19.0 peft==0.21.2
 tmp=$(mktemp -d)
 (cd "$tmp" && unzip -q "$OLDPWD"/.whl/ray-2.60.0-*.whl && find . \( -name '*.jar' -o -name '*.map' \) -delete &&
  python3 -c "import os; r=[d for d in os.listdir('.') if d.endswith('.dist-info')][0]+'/RECORD'; \

@@ -182,11 +182,12 @@ def at(points: list[tuple[float, float]], seconds: float) -> float | None:
     return seen[-1] if seen else None
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(description: str, runs: str, out: Path, work: Path) -> argparse.ArgumentParser:
+    """The options of a learning bench (this one's, and bench/lora.py's); runs, out, work: their defaults."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--data", type=Path, required=True)
-    ap.add_argument("--runs", default="trl,grpo,ppo")
+    ap.add_argument("--runs", default=runs)
     ap.add_argument("--minutes", default="10", help="training time of each run, or per run: trl=3.5,grpo=10,ppo=5")
     ap.add_argument("--wall-minutes", default=None, help="stop a run after this wall time too (validation included), "
                                                          "or per run: grpo=20.5,ppo=20.5")
@@ -195,9 +196,14 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--cpu", action="store_true", help="the reduced CPU version: smaller batches, fp32")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-bench-real"))
-    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "real_model.json")
-    args = ap.parse_args()
+    ap.add_argument("--work", type=Path, default=work)
+    ap.add_argument("--json", type=Path, default=out)
+    return ap
+
+
+def learn(args, settings: dict[str, dict]) -> dict:
+    """Each run of args.runs in turn (its hpcrl settings by name; "trl": TRL's GRPOTrainer), the
+    JSON written after every one; prints the table. Returns the runs' results."""
     args.work.mkdir(parents=True, exist_ok=True)
     held = held_out(args.data, args.held_out, args.work)
     results = {}
@@ -206,7 +212,7 @@ def main() -> int:
         if name == "trl":
             points, steps, trained = run_trl(args, args.work, held)
         else:
-            points, steps, trained = run_hpcrl(name, GRPO if name == "grpo" else PPO, args, args.work, held)
+            points, steps, trained = run_hpcrl(name, settings[name], args, args.work, held)
         results[name] = {"points": points, "steps": steps, "trained_s": round(trained, 1),
                          "wall_s": round(time.time() - t0, 1), "s_per_step": round(trained / steps, 3) if steps else None}
         print(f"{name}: {points}", flush=True)
@@ -218,6 +224,13 @@ def main() -> int:
         accs = [at(r["points"], m) for m in marks]
         print(f"{name:6} {r['steps']:>6} {r['s_per_step'] or 0:>7.2f} " +
               " ".join(f"{a:>10.3f}" if a is not None else f"{'-':>10}" for a in accs))
+    return results
+
+
+def main() -> int:
+    args = parser(__doc__.split("\n\n")[0], "trl,grpo,ppo", ROOT / "bench" / "real_model.json",
+                  Path("/tmp/hpcrl-bench-real")).parse_args()
+    learn(args, {"grpo": GRPO, "ppo": PPO})
     return 0
 
 

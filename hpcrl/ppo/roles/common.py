@@ -28,7 +28,8 @@ def optim_config(cfg: TrainConfig, lr: float) -> OptimConfig:
 
 def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch.device, lr: float | None):
     """The engine of a role: head "log_probs" (actor; reference when lr is None) or "values" (critic),
-    on cfg.engine.backend. lr None: inference only."""
+    on cfg.engine.backend. lr None: inference only. With cfg.lora.rank the actor (and the critic,
+    unless lora.critic is off) trains LoRA adapters on its frozen base instead."""
     optim = optim_config(cfg, lr) if lr is not None else None
     if cfg.engine.backend == "megatron":
         try:
@@ -42,7 +43,12 @@ def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch
         module, forward = ValueModel(model_dir), values_head
     else:
         module, forward = load_causal_lm(model_dir), log_probs_head(cfg.rollout.temperature, lr is not None, cfg.engine.compile)
-    return TorchTrainer(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile, cfg.optim.pack)
+    engine = TorchTrainer
+    if lr is not None and cfg.lora.rank and (head == "log_probs" or cfg.lora.critic):
+        from hpcrl.engines.train.lora import LoraTrainer, add_adapters
+
+        module, engine = add_adapters(module, cfg.lora), LoraTrainer
+    return engine(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile, cfg.optim.pack)
 
 
 def ppo_updates(engine, batch: Batch, cfg: TrainConfig, world_size: int, seed: list[int], loss_fn) -> dict:
