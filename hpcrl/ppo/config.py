@@ -301,8 +301,12 @@ class AlgorithmSettings(Settings):
     ranges like 3e-4/4e-4)"""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop the groups whose scores (`reward.scorers`, before any penalty)
-    are all equal before the advantages; the step trains on the rest (`batch/kept_groups`), or skips
-    its updates when none is left. The batch is not refilled to its size by generating more"""
+    are all equal before the advantages, and generate more batches (`refills`) until data.batch_size
+    groups are left; the step trains on those (`batch/kept_groups`), on fewer when the refills run
+    out, or skips its updates when none is left"""
+    refills: Count = 3
+    """dynamic_sampling: batches generated at most, beyond the step's own, to refill it to
+    data.batch_size groups (`batch/refills`; DAPO's max_num_gen_batches less one); 0: no refill"""
     overlong_buffer: Count = 0
     """> 0: DAPO's overlong reward shaping: a response within this many tokens of
     `rollout.max_new_tokens` loses up to overlong_penalty from its score, linearly (0: off)"""

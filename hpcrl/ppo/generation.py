@@ -72,13 +72,18 @@ class Lookahead:
         make them again)."""
         return [g.collect() for g in self.ahead]
 
-    def _generate(self, step: int) -> Generation:
+    def refill(self, step: int, draw: int) -> Generation:
+        """One more batch for `step` (dynamic sampling's refill number `draw`), from the next prompts;
+        its groups numbered after those of the batches before it."""
+        return self._generate(step, draw)
+
+    def _generate(self, step: int, draw: int = 0) -> Generation:
         prompts = self.dataset.next_batch()
         if self.n_samples > 1:
             groups = len(prompts)
             prompts = prompts.repeat(self.n_samples)
-            prompts["group"] = np.repeat(np.arange(groups), self.n_samples)
-        prompts.meta["step"] = step
+            prompts["group"] = np.repeat(np.arange(groups) + draw * groups, self.n_samples)
+        prompts.meta.update(step=step, **({"draw": draw} if draw else {}))
         generated = self.generate(prompts)
         return Generation(step, generated, [m.future(generated) for m in self.early])
 

@@ -54,7 +54,7 @@ from hpcrl.observe.metrics import MetricsLog
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.context import Driver, RunContext, now, weighted_scores
-from hpcrl.ppo.generation import Lookahead, WeightSync
+from hpcrl.ppo.generation import Generation, Lookahead, WeightSync
 from hpcrl.ppo.episodes import episode_scores, turn_rewards
 from hpcrl.ppo.roles import ActorRollout, Critic, Environments, Reference, RewardModel, Rollout, RuleReward
 from hpcrl.ppo.roles.custom import checkpointed, worker_class
@@ -157,10 +157,19 @@ def compute_advantages(batch: Batch, cfg: TrainConfig, kl_ctl) -> dict:
 
 def groups_to_train(batch: Batch, cfg: TrainConfig) -> Batch:
     """The samples the step trains on: all of them, or with algorithm.dynamic_sampling those of the
-    groups whose scores differ (DAPO; the batch is not refilled to its size)."""
+    groups whose scores differ (DAPO)."""
     if not cfg.algorithm.dynamic_sampling:
         return batch
     return batch.index(algo.varied_groups(batch["scores"].float(), _groups(batch)))
+
+
+def first_groups(batch: Batch, n: int) -> Batch:
+    """The samples of the first `n` groups (all of them where it has fewer)."""
+    if "group" not in batch:
+        return batch
+    groups = _groups(batch)
+    first = list(dict.fromkeys(groups.tolist()))[:n]
+    return batch.index(torch.isin(groups, torch.tensor(first, dtype=groups.dtype)))
 
 
 def _groups(batch: Batch) -> torch.Tensor:
@@ -191,7 +200,8 @@ class _Timer:
         self.status.phase(self.step, phase)
         t0 = time.perf_counter()
         yield
-        self.times[f"timing/{phase}"] = round(time.perf_counter() - t0, 4)
+        key = f"timing/{phase}"       # a phase timed twice (dynamic sampling's refills) adds up
+        self.times[key] = round(self.times.get(key, 0.0) + time.perf_counter() - t0, 4)
 
 
 def train(cfg: TrainConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
@@ -291,20 +301,33 @@ def ppo(ctx: RunContext) -> str | None:
 
         # 1. this step's batch (the next ones issued first), then everything that reads it, issued
         # together as futures: the batch goes rank to rank, not through the driver
-        with timer("generate"):      # multi-turn episodes are made right here, turn by turn
-            current = lookahead.take(step)
-            source = current.generated
-            batch = current.collect()
-            weights.arrived()               # the weights sent after the last update are in
-        with timer("score"):
-            for f in [m.future(source) for m in late]:
-                batch = batch.union(f.result())
-            batch["scores"] = weighted_scores(batch, cfg.reward.terms())
-            batch["scores"] = episode_scores(batch, cfg.environment.failed_score)
+        def scored(generation: Generation) -> Batch:
+            with timer("generate"):      # multi-turn episodes are made right here, turn by turn
+                source = generation.generated
+                batch = generation.collect()
+                weights.arrived()               # the weights sent after the last update are in
+            with timer("score"):
+                for f in [m.future(source) for m in late]:
+                    batch = batch.union(f.result())
+                batch["scores"] = weighted_scores(batch, cfg.reward.terms())
+                batch["scores"] = episode_scores(batch, cfg.environment.failed_score)
+            return batch
 
-        # 2. advantages, on the driver, of the samples the step trains on
-        with timer("advantage"):
+        with timer("generate"):
+            current = lookahead.take(step)
+        batch = scored(current)
+
+        # 2. advantages, on the driver, of the samples the step trains on: with dynamic sampling,
+        # batches generated until data.batch_size groups are left (or the refills run out)
+        trained, refills = groups_to_train(batch, cfg), 0
+        while algorithm.dynamic_sampling and _groups(trained).unique().numel() < cfg.data.batch_size \
+                and refills < algorithm.refills:
+            refills += 1
+            batch = Batch.concat([batch, scored(lookahead.refill(step, refills))])
             trained = groups_to_train(batch, cfg)
+        batch.meta["refills"] = refills
+        with timer("advantage"):
+            trained = first_groups(trained, cfg.data.batch_size)
             kl_metrics = compute_advantages(trained, cfg, kl_ctl)
 
         # 3. updates: critic first, then actor, then the new weights to the generating engine (one

@@ -61,6 +61,9 @@ METRICS: dict[str, Metric] = {
                                           "step trained on: all of the batch's, unless "
                                           "`train.algorithm.dynamic_sampling` dropped those whose scores were all "
                                           "equal (0: the step made no update)"),
+    "batch/refills": Metric("batches", "batches generated beyond the step's own to refill it to `train.data.batch_size` "
+                                       "groups (`train.algorithm.dynamic_sampling`, at most `train.algorithm.refills`); "
+                                       "0 without dynamic sampling"),
     "policy/version": Metric("step", "the step whose actor update made the weights that sampled the batch (0: the "
                                      "initial weights)"),
     "policy/lag": Metric("updates", "how many updates older the sampling weights are than the actor the batch "
@@ -150,6 +153,7 @@ def step_record(step: int, batch: Batch, trained: Batch, terms: list[str], kl: d
             "critic/vf_explained_var": explained_variance(trained["values"], trained["returns"], trained["response_mask"])
             if critic is not None else None,
             "batch/kept_groups": len(np.unique(trained["group"])) if "group" in trained else len(trained),
+            "batch/refills": batch.meta.get("refills", 0),
             "policy/version": sampled, "policy/lag": trained_with - sampled,
             "rollout/log_prob_diff": float(algo.masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
                                                             mask)) if "rollout_log_probs" in batch else None,

@@ -58,10 +58,10 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
                        gpu_memory_utilization=cfg.rollout.gpu_memory, seed=cfg.seed + rank)
 
 
-def step_seed(seed: int, step: int, rank: int, validation: bool = False, turn: int = 0) -> int:
-    """The seed of one rank's generation at one step, and turn of a multi-turn episode (validation
-    draws from seeds of its own)."""
-    return seed * 1_000_003 + step * 1009 + rank + (turn << 32) + (1 << 40 if validation else 0)
+def step_seed(seed: int, step: int, rank: int, validation: bool = False, turn: int = 0, draw: int = 0) -> int:
+    """The seed of one rank's generation at one step, turn of a multi-turn episode and batch of the
+    step (dynamic sampling's refills); validation draws from seeds of its own."""
+    return seed * 1_000_003 + step * 1009 + rank + (turn << 32) + (draw << 44) + (int(validation) << 56)
 
 
 class Generates:
@@ -78,7 +78,7 @@ class Generates:
         meta["policy_version"] says which weights sampled it."""
         validation = bool(prompts.meta.get("validation"))
         seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank, validation,
-                         int(prompts.meta.get("turn", 0)))
+                         int(prompts.meta.get("turn", 0)), int(prompts.meta.get("draw", 0)))
         temperature = self.cfg.validation.temperature if validation else self.cfg.rollout.temperature
         params = SamplingParams(self.cfg.rollout.max_new_tokens, temperature, self.cfg.rollout.top_p, self.cfg.rollout.top_k)
         out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params, seed)
