@@ -72,7 +72,7 @@ def test_the_tool_environment_answers_each_call_and_counts_the_errors():
     assert [m["content"] for m in first.observation] == ["42", "error: no tool named 'search' (tools: calculator)",
                                                         "error: at most 2 tool calls per turn; this one was not run"]
     assert first.info == {"tool_calls": 3, "tool_errors": 2} and not first.done
-    assert last.done and last.reward == 0.0
+    assert last.done and last.reward == 0.0 and last.info == {"tool_calls": 0, "tool_errors": 0}
     with pytest.raises(ValueError, match="does not have"):
         asyncio.run(env.start({"extra_info": {"tools_kwargs": {"web_search": {}}}}))
 

@@ -13,7 +13,7 @@ from conftest import ROOT, job_finished, kill_dead, slurm_log, submit, wait_unti
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events
 
-STEPS = 150
+STEPS = 300
 
 
 @pytest.mark.slurm
@@ -35,17 +35,17 @@ def test_the_tool_using_hetjob_learns_and_goes_on_after_its_environment_is_kille
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), slurm_log(run)
     rebuilt = [(e["event"], e["role"]) for e in read_events(run) if e["event"] in ("rebuild", "rebuilt")]
     assert rebuilt == [("rebuild", "env"), ("rebuilt", "env")], slurm_log(run)
-    # the env role ran on the cpu partition, in a component of its own
+    # the env role ran on the cpu partition, apart from the policy
     components = json.loads((run / "allocation.json").read_text())["components"]
-    assert [(c["members"], c["partition"]) for c in components] == [(["actor_rollout", "reward"], "a100"),
-                                                                    (["env"], "cpu")]
-    first, last = records[:10], records[-10:]
+    assert [(c["members"], c["partition"]) for c in components] == [(["actor_rollout"], "a100"),
+                                                                    (["env", "reward"], "cpu")]
+    first, last = records[:10], records[-20:]
 
     def mean(rs, key):
         return float(np.mean([r[key] for r in rs]))
-    # it calls, with the prompt's expression (the call's reward: its share of the expression), and
-    # answers with the result: the score a model that cannot add reaches only through the calculator
-    assert mean(first, "env/tool_calls") > 0.8 and mean(last, "env/tool_calls") > 0.95
-    assert mean(last, "env/reward") > mean(first, "env/reward") + 0.3, (mean(first, "env/reward"), mean(last, "env/reward"))
-    assert mean(last, "reward/mean") > mean(first, "reward/mean") + 0.3, (mean(first, "reward/mean"), mean(last, "reward/mean"))
-    assert all(r["env/turns"] <= 2 for r in records)
+    # it learns to call (the call's reward) and to answer with what the calculator said: a score the
+    # same task without the environment does not reach (hpcrl/ppo/tasks/tool_sums.py)
+    assert mean(first, "env/tool_calls") < 0.5 and mean(last, "env/tool_calls") > 0.95
+    assert mean(last, "reward/mean") > max(0.3, mean(first, "reward/mean") + 0.2), \
+        (mean(first, "reward/mean"), mean(last, "reward/mean"))
+    assert all(r["env/turns"] <= 2 for r in records) and mean(last, "env/turns") > 1.9

@@ -11,13 +11,15 @@ import pytest
 import torch
 from conftest import run_local
 
-from hpcrl.controller import ResourcePool, WorkerGroup
+from hpcrl.controller import ResourcePool, WorkerGroup, local_worker
 from hpcrl.controller.batch import Batch
+from hpcrl.environments import Environment, Turn
 from hpcrl.models import CharTokenizer
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.episodes import Episodes
 from hpcrl.ppo.loop import prepare_inputs
-from hpcrl.ppo.roles import ActorRollout, Rollout
+from hpcrl.ppo.roles import ActorRollout, Environments, Rollout
 
 CFG = TrainConfig(rollout_engine="vllm", batch_size=16, mini_batch_size=16, micro_batch_size=16, ppo_epochs=1,
                 warmup_steps=0, max_new_tokens=4, temperature=0.9, actor_lr=3e-3)
@@ -97,6 +99,31 @@ def test_new_weights_reach_both_engines(groups):
     assert gap_to_trainer(actor, actor.generate_sequences(prompts)) <= 1e-5
     rollout.load_weights(actor.export_weights.future(), 1)
     assert gap_to_trainer(actor, rollout.generate_sequences(prompts)) <= 1e-5
+
+
+class Reverse(Environment):
+    """Answers each turn with its digits reversed and "=", for as many turns as the episode has."""
+
+    async def step(self, text):
+        return Turn(text.replace("=", "")[::-1] + "=", reward=0.5)
+
+
+def test_vllm_continues_multi_turn_episodes_as_the_torch_engine_does(groups):
+    """The rollout role's vLLM engine and a torch engine with the same weights, greedy, each writing
+    the turns of the same episodes (the env role answering in this process): the same tokens."""
+    actor, rollout, prompts, run = groups
+    weights = actor.export_weights()
+    rollout.load_weights(weights, 1)
+    cfg = CFG.updated(rollout={"engine": "torch"}, environment={"cls": "test_vllm:Reverse", "max_turns": 3, "max_tokens": 20})
+    torch_engine = local_worker(Rollout, str(run / "model"), cfg)
+    torch_engine.rollout.load_weights(dict(weights))
+    tok = CharTokenizer.load(run / "model")
+    episodes = Batch(prompts.tensors, prompts.arrays, {"step": 1, "validation": True})     # greedy
+    out = {name: Episodes(cfg, engine, local_worker(Environments, "test_vllm:Reverse", {}, 5.0), tok).generate(episodes)
+           for name, engine in (("vllm", rollout), ("torch", torch_engine))}
+    for key in ("responses", "response_mask", "attention_mask", "turn_rewards", "env/turns"):
+        assert torch.equal(out["vllm"][key], out["torch"][key]), key
+    assert out["vllm"]["env/turns"].max() == 3 and out["vllm"]["turn_rewards"].sum() > 0
 
 
 def test_tiny_job_learns_with_the_vllm_engine(tmp_path):

@@ -46,8 +46,8 @@ class ToolEnvironment(Environment):
 
     async def step(self, text: str) -> Turn:
         calls = parse_tool_calls(text)
-        if not calls:
-            return Turn(done=True)
+        if not calls:      # the counts still said: a step without any call logs 0, not nothing
+            return Turn(done=True, info={"tool_calls": 0, "tool_errors": 0})
         answers = await asyncio.gather(*(self._answer(c) for c in calls[:self.max_calls]))
         if len(calls) > self.max_calls:
             answers += [(f"error: at most {self.max_calls} tool calls per turn; this one was not run", True)] * \

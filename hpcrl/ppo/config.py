@@ -454,9 +454,9 @@ class EnvironmentSettings(Settings):
     episode ends where the next turn or observation would not fit); 0: max_turns × rollout.max_new_tokens"""
     step_timeout: Annotated[float, Field(gt=0)] = 60.0
     """seconds an environment may take to start an episode or answer a turn; then the episode fails"""
-    failed_score: float = 0.0
+    failed_score: Annotated[float, Field(ge=-100, le=100)] = 0.0
     """the score of an episode whose environment failed (raised, timed out, or lost its process): it is
-    trained with this score, and named in the log and events"""
+    trained with this score, and named in the log"""
 
     @field_validator("cls")
     @classmethod
