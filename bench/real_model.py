@@ -5,7 +5,7 @@ bench/real_model.json.
 
     hpcrl data smollm2 MODEL_DIR
     hpcrl data reasoning-gym chain_sum DATA_DIR --train 4000 --test 300 --set min_terms=2 max_terms=2 min_digits=1 max_digits=2
-    python bench/real_model.py --model MODEL_DIR --data DATA_DIR [--minutes 10] [--runs grpo,ppo,trl]
+    python bench/real_model.py --model MODEL_DIR --data DATA_DIR [--minutes 10] [--runs grpo,ppo,trl,grpo-vllm]
     python bench/real_model.py ... --cpu --minutes 2 --held-out 32     # the reduced version for a CPU machine
 
 Held-out: the first --held-out problems of DATA_DIR/test.parquet, greedy, up to 64 new tokens, scored
@@ -16,6 +16,8 @@ by hpcrl's data_source scorer (the last number of the answer). Its time is never
   validation's). The bench stops it with SIGUSR1 once --minutes of training (or --wall-minutes of
   wall time, validation included: the no-crash run) have passed: it commits a checkpoint and exits
   as a requeued job would.
+- grpo-vllm: GRPO as above, sampling with vLLM (`rollout.engine: vllm`, colocated: the engine sleeps
+  while the actor trains, and takes the new weights in place after every update), 0.3 of the GPU.
 - TRL: GRPOTrainer with the settings of ../shared/notes (16 prompts x 8 answers, 64 new tokens, lr 5e-6
   constant, beta 0, bf16 autocast over fp32 weights, as hpcrl trains), a callback that measures the
   same held-out accuracy with HF generate every --val-every optimizer steps, off the clock. (Loaded
@@ -43,6 +45,7 @@ from hpcrl.ppo.config import TrainConfig  # noqa: E402  (the checkout's, as the 
 
 GRPO = {"advantage": "grpo", "batch_size": 16, "n_samples": 8, "kl_coef": 0.0, "actor_lr": 5e-6,
         "mini_batch_size": 128, "micro_batch_size": 128}
+GRPO_VLLM = {**GRPO, "rollout_engine": "vllm", "rollout_gpu_memory": 0.3}
 PPO = {"advantage": "gae", "batch_size": 64, "n_samples": 1, "kl_coef": 0.0, "actor_lr": 5e-6, "critic_lr": 2e-5,
        "mini_batch_size": 64, "micro_batch_size": 64, "critic_warmup": 0}
 
@@ -230,7 +233,7 @@ def learn(args, settings: dict[str, dict]) -> dict:
 def main() -> int:
     args = parser(__doc__.split("\n\n")[0], "trl,grpo,ppo", ROOT / "bench" / "real_model.json",
                   Path("/tmp/hpcrl-bench-real")).parse_args()
-    learn(args, {"grpo": GRPO, "ppo": PPO})
+    learn(args, {"grpo": GRPO, "ppo": PPO, "grpo-vllm": GRPO_VLLM})
     return 0
 
 

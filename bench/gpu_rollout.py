@@ -1,0 +1,223 @@
+"""Rollout engines side by side on one GPU: vLLM, the static-cache engine and HF generate on the same
+prompts, sampling at temperature 1; sampled tokens/s, the share of the bandwidth bound, and the time a
+weight update takes by path. Prints a table and writes bench/gpu_rollout.json.
+
+    python bench/gpu_rollout.py [--shapes step,long] [--engines vllm,static,hf] [--repeats 3]
+
+Shapes (random weights, bf16; no stop token, so every engine decodes every row to its length):
+  step   bench/gpu_ppo.py's: a Qwen2-0.5B shape, 64 prompts × 256 tokens + 256 new
+  long   SmolLM2-135M's shape, 256 prompts × 64 tokens + 1024 new (HF generate: 128 new, its rate
+         would take minutes at 1024)
+Engines, each in a process of its own, one after the other:
+  vllm    hpcrl's VLLMRollout (vLLM's offline engine in the process, CUDA graphs, prefix cache)
+  static  hpcrl's StaticCacheRollout (compiled model step, CUDA-graph replays of 32 steps)
+  hf      transformers' generate, as a TRL-style trainer calls it
+Bound: per decode step the bf16 weights and the KV cache so far are read once at 4.3 TB/s
+(bench/gpu_ppo.py's decode_bytes); the time of a generate call includes the prompt's prefill.
+Weight sync (the step shape's weights, bf16, on the GPU): `load_weights` into each engine in its
+process, and the collective group's path between two processes (hpcrl.controller.weight_transport
+with gloo, through host memory: what a rollout role on another node gets where NCCL is not available;
+NCCL needs a GPU per member, so it is measured on two GPUs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_ppo import BANDWIDTH, SHAPE, decode_bytes  # noqa: E402
+
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               intermediate_size=1536, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
+SHAPES = {"step": {"arch": "qwen2", "shape": SHAPE, "batch": 64, "prompt": 256, "new": 256},
+          "long": {"arch": "llama", "shape": SMOLLM2, "batch": 256, "prompt": 64, "new": 1024, "hf_new": 128}}
+
+
+def model_dir(work: Path, name: str) -> Path:
+    """A random model of the shape, written once, with no stop token in its config."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    path = work / f"model-{name}"
+    if not (path / "config.json").exists():
+        spec = SHAPES[name]
+        config = (Qwen2Config if spec["arch"] == "qwen2" else LlamaConfig)(**spec["shape"], bos_token_id=None,
+                                                                             eos_token_id=None, pad_token_id=0)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def prompts(name: str):
+    import torch
+
+    spec = SHAPES[name]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, spec["shape"]["vocab_size"], (spec["batch"], spec["prompt"]), generator=g)
+    return ids, torch.ones_like(ids)
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    import torch
+
+    out = fn()                        # compiles, captures, warms up
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def one_engine(engine: str, name: str, work: Path, repeats: int) -> dict:
+    """This process: one engine on one shape; its rate and (step shape) its weight-sync time."""
+    import torch
+
+    from hpcrl.engines.base import SamplingParams
+    from hpcrl.models import load_causal_lm
+
+    spec, path = SHAPES[name], model_dir(work, name)
+    ids, mask = prompts(name)
+    new = spec.get("hf_new", spec["new"]) if engine == "hf" else spec["new"]
+    params = SamplingParams(max_new_tokens=new, temperature=1.0)
+    t0 = time.perf_counter()
+    weights = {k: v.cuda() for k, v in load_causal_lm(path).to(torch.bfloat16).state_dict().items()}
+    if engine == "vllm":
+        from hpcrl.engines.rollout.vllm_rollout import VLLMRollout
+
+        eng = VLLMRollout(path, pad_id=0, eos_ids=[], cache_dir=work / "vllm-cache", dtype="bfloat16",
+                          max_model_len=spec["prompt"] + new, gpu_memory_utilization=0.6)
+        generate = lambda: eng.generate(ids, mask, params, seed=1)["response_mask"].sum()  # noqa: E731
+        load = eng.load_weights
+    elif engine == "static":
+        from transformers import AutoConfig
+
+        from hpcrl.engines.rollout.static_cache import StaticCacheRollout
+
+        eng = StaticCacheRollout(AutoConfig.from_pretrained(path), 0, [], "cuda")
+        eng.load_weights(weights)
+        generate = lambda: eng.generate(ids, mask, params, seed=1)["response_mask"].sum()  # noqa: E731
+        load = eng.load_weights
+    else:
+        model = load_causal_lm(path).to(torch.bfloat16).cuda().eval()
+
+        def generate():
+            with torch.no_grad():
+                out = model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), do_sample=True, temperature=1.0,
+                                     top_k=0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+            return torch.tensor((out.shape[1] - ids.shape[1]) * ids.shape[0])
+
+        load = lambda w: model.load_state_dict(w, strict=False)  # noqa: E731
+    ready = time.perf_counter() - t0
+    seconds, tokens = timed(generate, repeats)
+    tokens = int(tokens)
+    bound = decode_bytes(spec["shape"], new, spec["batch"], spec["prompt"]) / BANDWIDTH
+    row = {"engine": engine, "shape": name, "rows": spec["batch"], "prompt": spec["prompt"], "new_tokens": new,
+           "ready_s": round(ready, 1), "generate_s": seconds, "sampled_tok_s": tokens / seconds, "bound_s": bound,
+           "of_bound": bound / seconds}
+    if name == "step":
+        row["load_weights_s"], _ = timed(lambda: load(weights), repeats)
+    return row
+
+
+def group_sync(work: Path, repeats: int) -> dict:
+    """The step shape's weights from one process to another by the collective group (gloo): seconds
+    per transfer at the receiver, the weights on its GPU."""
+    from hpcrl.controller.weight_transport import Rendezvous
+
+    store = Rendezvous("127.0.0.1")
+    ticket = store.ticket(["actor rank 0", "rollout rank 0"], "gloo", 120.0)
+    args = json.dumps({"ticket": [list(ticket.address), ticket.formation, list(ticket.members), ticket.backend,
+                                  ticket.timeout_s], "model": str(model_dir(work, "step")), "repeats": repeats})
+    procs = [subprocess.Popen([sys.executable, __file__, "--group-member", str(rank), args], stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT) for rank in (0, 1)]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"group sync members exited {[p.returncode for p in procs]}")
+    return json.loads(outs[1].strip().splitlines()[-1])
+
+
+def group_member(rank: int, args: dict) -> None:
+    import torch
+
+    from hpcrl.controller.weight_transport import Ticket, WeightGroup
+    from hpcrl.models import load_causal_lm
+
+    address, formation, members, backend, timeout = args["ticket"]
+    group = WeightGroup.join(Ticket(tuple(address), formation, tuple(members), backend, timeout), rank, "cuda")
+    if rank == 0:
+        weights = {k: v.cuda() for k, v in load_causal_lm(args["model"]).to(torch.bfloat16).state_dict().items()}
+        for _ in range(args["repeats"] + 1):
+            group.send(weights)
+        return
+    times = []
+    for _ in range(args["repeats"] + 1):
+        t = time.perf_counter()
+        got = {k: v.cuda() for k, v in group.receive().items()}
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    size = sum(v.numel() * v.element_size() for v in got.values())
+    print(json.dumps({"path": "collective group (gloo, via host memory)", "seconds": statistics.median(times[1:]),
+                      "bytes": size}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="step,long")
+    ap.add_argument("--engines", default="vllm,static,hf")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-gpu-rollout"))
+    ap.add_argument("--json", type=Path, default=ROOT / "bench" / "gpu_rollout.json")
+    ap.add_argument("--one", nargs=2, metavar=("ENGINE", "SHAPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--group-member", nargs=2, metavar=("RANK", "ARGS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.group_member:
+        group_member(int(args.group_member[0]), json.loads(args.group_member[1]))
+        return 0
+    if args.one:
+        print("ROW", json.dumps(one_engine(*args.one, args.work, args.repeats)), flush=True)
+        return 0
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    rows, syncs = [], []
+    for name in args.shapes.split(","):
+        for engine in args.engines.split(","):
+            proc = subprocess.run([sys.executable, __file__, "--one", engine, name, "--work", str(args.work),
+                                   "--repeats", str(args.repeats)], capture_output=True, text=True, env=env, cwd=ROOT)
+            found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+            if proc.returncode or not found:
+                print(f"{engine} on {name}: exited {proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
+                rows.append({"engine": engine, "shape": name, "error": proc.stderr[-2000:]})
+                continue
+            rows.append(json.loads(found[0]))
+            r = rows[-1]
+            print(f"{engine:7} {name:5} {r['sampled_tok_s']:>10.0f} tok/s {r['of_bound']:>7.1%} of bound "
+                  f"(ready in {r['ready_s']} s)", flush=True)
+            if "load_weights_s" in r:
+                syncs.append({"path": f"load_weights into {engine} (same process, on the GPU)", "seconds": r["load_weights_s"]})
+    syncs.append(group_sync(args.work, args.repeats))
+    print(f"\n{'shape':6} {'engine':7} {'rows':>5} {'new':>5} {'s':>8} {'tok/s':>9} {'of bound':>9}")
+    for r in rows:
+        if "error" not in r:
+            print(f"{r['shape']:6} {r['engine']:7} {r['rows']:>5} {r['new_tokens']:>5} {r['generate_s']:>8.3f} "
+                  f"{r['sampled_tok_s']:>9.0f} {r['of_bound']:>9.1%}")
+    print(f"\n{'weight sync (step shape, bf16)':58} {'s':>7}")
+    for s in syncs:
+        print(f"{s['path']:58} {s['seconds']:>7.3f}")
+    args.json.write_text(json.dumps({"rows": rows, "weight_sync": syncs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
