@@ -6,7 +6,8 @@
 # apart on the one GPU, sequential vs pipelined; smollm2: bench/gpu_ppo.py's step on SmolLM2-135M-Instruct (torch and
 # megatron engines); real: SmolLM2 learning chain sums (bench/real_model.py), started in the background (it outlasts
 # one call: poll /tmp/real.log). lora: bench/lora.py (LoRA beside full fine-tuning on the same task), likewise
-# (poll /tmp/lora.log). tools: bench/tools.py (3-term chain sums, GRPO with and without the calculator), likewise
+# (poll /tmp/lora.log). tools: bench/tools.py (3-term chain sums, GRPO with and without the calculator, the calculator's run
+# after a ~1-minute supervised warm-up on tool-call demonstrations), likewise
 # (poll /tmp/tools.log); its data, made here with --set min_terms=3 max_terms=3 (else as .realdata), carried as .realdata3.
 # vllm: tests/gpu/test_vllm_gpu.py and bench/gpu_rollout.py (vLLM, the static-cache engine and HF generate side by
 # side); vllm-step: bench/gpu_ppo.py's PPO step sampling with the torch engine and with vLLM; with vLLM carried by `python bench/gpu_carry.py pack --vllm --no-slurm` (five parts, one a call; every call
@@ -87,7 +88,7 @@ for stage in "$@"; do
           setsid nohup python3 bench/lora.py --model /tmp/smollm2 --data /tmp/realdata --minutes "${MINUTES:-10}" \
             > /tmp/lora.log 2>&1 < /dev/null &
           sleep 60; tail -5 /tmp/lora.log ;;
-    tools) smollm2_dir     # bench/tools.py: GRPO with the calculator beside GRPO without, in the background as real
+    tools) smollm2_dir     # bench/tools.py: warm-up, then GRPO with the calculator beside GRPO without, in the background as real
            real_data data3 || exit
            setsid nohup python3 bench/tools.py --model /tmp/smollm2 --data /tmp/realdata3 --minutes "${MINUTES:-15}" \
              ${WALL:+--wall-minutes "$WALL"} > /tmp/tools.log 2>&1 < /dev/null &

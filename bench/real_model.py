@@ -57,6 +57,10 @@ def held_out(data: Path, n: int, work: Path) -> Path:
 
 
 def hpcrl_spec(run: Path, model: Path, data: Path, held: Path, settings: dict, args) -> TrainConfig:
+    """The run's spec; settings: train fields, and "model": a model directory other than `model`
+    (bench/tools.py's warmed-up one)."""
+    settings = dict(settings)
+    model = settings.pop("model", model)
     spec = yaml.safe_load((ROOT / "jobs" / "smollm2-chain-sum-1gpu.yaml").read_text())
     cfg = TrainConfig.model_validate(spec["train"]).updated(
         **settings, total_steps=100_000, progress=False, seed=args.seed,
@@ -204,9 +208,9 @@ def parser(description: str, runs: str, out: Path, work: Path) -> argparse.Argum
     return ap
 
 
-def learn(args, settings: dict[str, dict]) -> dict:
+def learn(args, settings: dict[str, dict], extra: dict | None = None) -> dict:
     """Each run of args.runs in turn (its hpcrl settings by name; "trl": TRL's GRPOTrainer), the
-    JSON written after every one; prints the table. Returns the runs' results."""
+    JSON written after every one (with `extra`'s entries); prints the table. Returns the runs' results."""
     args.work.mkdir(parents=True, exist_ok=True)
     held = held_out(args.data, args.held_out, args.work)
     results = {}
@@ -220,7 +224,8 @@ def learn(args, settings: dict[str, dict]) -> dict:
                          "wall_s": round(time.time() - t0, 1), "s_per_step": round(trained / steps, 3) if steps else None}
         print(f"{name}: {points}", flush=True)
         # after every run, so that a machine lost mid-bench still leaves the runs it finished
-        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "runs": results}, indent=1))
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, **(extra or {}),
+                                         "runs": results}, indent=1))
     marks = sorted({0, 210, 600, *(minutes(args, name) * 60 for name in results)})
     print(f"\n{'run':6} {'steps':>6} {'s/step':>7} " + " ".join(f"{f'acc@{m:.0f}s':>10}" for m in marks))
     for name, r in results.items():
