@@ -12,8 +12,9 @@ Engines, each in a process of its own, one after the other:
   vllm    hpcrl's VLLMRollout (vLLM's offline engine in the process, CUDA graphs, prefix cache)
   static  hpcrl's StaticCacheRollout (compiled model step, CUDA-graph replays of 32 steps)
   hf      transformers' generate, as a TRL-style trainer calls it
-Bound: per decode step the bf16 weights and the KV cache so far are read once at 4.3 TB/s
-(bench/gpu_ppo.py's decode_bytes); the time of a generate call includes the prompt's prefill.
+Bound: per decode step the bf16 weights and the KV cache so far are read once (bench/gpu_ppo.py's
+decode_bytes) at this GPU's device-to-device copy rate, measured at the start (4.3 TB/s on the H200);
+the time of a generate call includes the prompt's prefill.
 Weight sync (the step shape's weights, bf16, on the GPU): `load_weights` into each engine in its
 process, and the collective group's path between two processes (hpcrl.controller.weight_transport
 with gloo, through host memory: what a rollout role on another node gets where NCCL is not available;
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_ppo import BANDWIDTH, SHAPE, decode_bytes  # noqa: E402
+from gpu_ppo import SHAPE, decode_bytes  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True)
@@ -80,7 +81,17 @@ def timed(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def one_engine(engine: str, name: str, work: Path, repeats: int) -> dict:
+def copy_bandwidth() -> float:
+    """Bytes read and written per second by a 4 GiB device-to-device copy on this GPU."""
+    import torch
+
+    a = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    seconds, _ = timed(lambda: b.copy_(a), 5)
+    return 2 * a.numel() / seconds
+
+
+def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: float) -> dict:
     """This process: one engine on one shape; its rate and (step shape) its weight-sync time."""
     import torch
 
@@ -122,7 +133,7 @@ def one_engine(engine: str, name: str, work: Path, repeats: int) -> dict:
     ready = time.perf_counter() - t0
     seconds, tokens = timed(generate, repeats)
     tokens = int(tokens)
-    bound = decode_bytes(spec["shape"], new, spec["batch"], spec["prompt"]) / BANDWIDTH
+    bound = decode_bytes(spec["shape"], new, spec["batch"], spec["prompt"]) / bandwidth
     row = {"engine": engine, "shape": name, "rows": spec["batch"], "prompt": spec["prompt"], "new_tokens": new,
            "ready_s": round(ready, 1), "generate_s": seconds, "sampled_tok_s": tokens / seconds, "bound_s": bound,
            "of_bound": bound / seconds}
@@ -179,7 +190,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-gpu-rollout"))
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "gpu_rollout.json")
-    ap.add_argument("--one", nargs=2, metavar=("ENGINE", "SHAPE"), help=argparse.SUPPRESS)
+    ap.add_argument("--one", nargs=3, metavar=("ENGINE", "SHAPE", "BANDWIDTH"), help=argparse.SUPPRESS)
     ap.add_argument("--group-member", nargs=2, metavar=("RANK", "ARGS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -187,13 +198,19 @@ def main() -> int:
         group_member(int(args.group_member[0]), json.loads(args.group_member[1]))
         return 0
     if args.one:
-        print("ROW", json.dumps(one_engine(*args.one, args.work, args.repeats)), flush=True)
+        engine, name, bandwidth = args.one
+        print("ROW", json.dumps(one_engine(engine, name, args.work, args.repeats, float(bandwidth))), flush=True)
         return 0
     env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    import torch
+
+    bandwidth, device = copy_bandwidth(), torch.cuda.get_device_name(0)
+    torch.cuda.empty_cache()
+    print(f"{device}: device-to-device copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows, syncs = [], []
     for name in args.shapes.split(","):
         for engine in args.engines.split(","):
-            proc = subprocess.run([sys.executable, __file__, "--one", engine, name, "--work", str(args.work),
+            proc = subprocess.run([sys.executable, __file__, "--one", engine, name, str(bandwidth), "--work", str(args.work),
                                    "--repeats", str(args.repeats)], capture_output=True, text=True, env=env, cwd=ROOT)
             found = [line[4:] for line in proc.stdout.splitlines() if line.startswith("ROW ")]
             if proc.returncode or not found:
@@ -215,7 +232,8 @@ def main() -> int:
     print(f"\n{'weight sync (step shape, bf16)':58} {'s':>7}")
     for s in syncs:
         print(f"{s['path']:58} {s['seconds']:>7.3f}")
-    args.json.write_text(json.dumps({"rows": rows, "weight_sync": syncs}, indent=1))
+    args.json.write_text(json.dumps({"device": device, "copy_bandwidth": bandwidth, "rows": rows, "weight_sync": syncs},
+                                    indent=1))
     return 0
 
 
