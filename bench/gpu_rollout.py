@@ -208,6 +208,10 @@ def main() -> int:
     torch.cuda.empty_cache()
     print(f"{device}: device-to-device copy {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows, syncs = [], []
+
+    def save(partial: bool) -> None:      # after every engine: a call cut short keeps what it measured
+        args.json.write_text(json.dumps({"device": device, "copy_bandwidth": bandwidth, "partial": partial, "rows": rows,
+                                         "weight_sync": syncs}, indent=1))
     for name in args.shapes.split(","):
         for engine in args.engines.split(","):
             proc = subprocess.run([sys.executable, __file__, "--one", engine, name, str(bandwidth), "--work", str(args.work),
@@ -223,6 +227,7 @@ def main() -> int:
                   f"(ready in {r['ready_s']} s)", flush=True)
             if "load_weights_s" in r:
                 syncs.append({"path": f"load_weights into {engine} (same process, on the GPU)", "seconds": r["load_weights_s"]})
+            save(partial=True)
     syncs.append(group_sync(args.work, args.repeats))
     print(f"\n{'shape':6} {'engine':7} {'rows':>5} {'new':>5} {'s':>8} {'tok/s':>9} {'of bound':>9}")
     for r in rows:
@@ -232,8 +237,7 @@ def main() -> int:
     print(f"\n{'weight sync (step shape, bf16)':58} {'s':>7}")
     for s in syncs:
         print(f"{s['path']:58} {s['seconds']:>7.3f}")
-    args.json.write_text(json.dumps({"device": device, "copy_bandwidth": bandwidth, "rows": rows, "weight_sync": syncs},
-                                    indent=1))
+    save(partial=False)
     return 0
 
 

@@ -275,6 +275,12 @@ try:
     print("a GPU process of role c was placed")
 except ResourcePoolError as e:
     print("refused:", e)
+
+class Cpu(Worker):
+    uses_gpus = False
+
+cpu = WorkerGroup(ResourcePool.for_role("c", uses_gpus=False), Cpu)
+print("a CPU-only role's ranks beside them, gpus:", [list(g) for g in cpu._hosts.gpu_ids])
 ray.shutdown()
 """
 
@@ -282,7 +288,28 @@ ray.shutdown()
 def test_colocated_processes_hold_whole_gpus():
     """Two roles colocated on a node of two GPUs: one process per GPU, each holding all of its GPU,
     so another role's GPU process finds no room on that node (a half-GPU reservation would leave
-    it room on "the rest" of both GPUs)."""
+    it room on "the rest" of both GPUs), while a CPU-only role's process does."""
     out = subprocess.run([sys.executable, "-c", GPU_NODE], capture_output=True, text=True, timeout=300)
     assert "gpus of the colocated ranks: [('0',), ('1',)]" in out.stdout, out.stdout + out.stderr
     assert "refused: role 'c': 2 processes of {'CPU': " in out.stdout and "'GPU': 1} per node" in out.stdout, out.stdout
+    # a role whose processes use no GPU (the environments) still fits, one process holding no GPU
+    assert "a CPU-only role's ranks beside them, gpus: [[]]" in out.stdout, out.stdout + out.stderr
+
+
+def test_role_log_keeps_the_process_stream_descriptor(tmp_path):
+    """Code below Python (C libraries; vLLM silences them by redirecting sys.stdout's descriptor)
+    needs a descriptor: a worker's RoleLog gives the original stream's."""
+    from hpcrl.controller.worker import RoleLog
+
+    class Host:
+        lines = []
+
+        def log_line(self, line, echo):
+            self.lines.append(line)
+
+    with open(tmp_path / "out", "w") as echo:
+        log = RoleLog(Host(), echo)
+        print("through python", file=log)
+        os.write(log.fileno(), b"below python\n")
+    assert Host.lines == ["through python"]
+    assert (tmp_path / "out").read_text() == "below python\n"

@@ -4,7 +4,8 @@ The Ray bootstrap gives every node of a role's Slurm component the custom resour
 `role:<name>`; so does a satellite job that joins the run for that role (`hpcrl scale`). The pool
 is the alive nodes carrying it, never a list of node names. A node with GPUs runs one process per
 GPU, and that process holds its whole GPU, however many colocated roles it hosts: no other process
-can be placed on "the rest" of a GPU it uses. A CPU node runs `processes_per_node` (default 1).
+can be placed on "the rest" of a GPU it uses. A CPU node runs `processes_per_node` (default 1), and
+so does a GPU node for a role whose processes use no GPU (`uses_gpus=False`: the environments).
 When several roles share a node (the reference and reward roles of one component, or every role in
 local mode) each gets an equal share of its CPUs.
 
@@ -63,11 +64,13 @@ class ResourcePool:
     cpus_per_process: float
     gpus_per_process: int          # 1 on a GPU node, 0 on a CPU node
     max_colocate_count: int = 1    # roles one process may host
+    uses_gpus: bool = True         # False: CPU processes even on a GPU node (Worker.uses_gpus)
 
     @classmethod
     def for_role(cls, role: str, processes_per_node: int | None = None, max_colocate_count: int = 1,
-                 ray_nodes: list[dict] | None = None) -> ResourcePool:
-        """The alive nodes carrying `role` (from `ray_nodes`, a snapshot of ray.nodes(), or asked now)."""
+                 ray_nodes: list[dict] | None = None, uses_gpus: bool = True) -> ResourcePool:
+        """The alive nodes carrying `role` (from `ray_nodes`, a snapshot of ray.nodes(), or asked now);
+        uses_gpus False: its processes hold no GPU on GPU nodes."""
         if ray_nodes is None:
             import ray
 
@@ -78,14 +81,14 @@ class ResourcePool:
             roles = sorted({k.removeprefix("role:") for n in alive for k in n["Resources"] if k.startswith("role:")})
             raise ResourcePoolError(f"no alive Ray node carries role {role!r} (roles present: {roles}); "
                                     "the role must be in the job spec, or given to start_local()")
-        gpus = min(int(n["Resources"].get("GPU", 0)) for n in nodes)
+        gpus = min(int(n["Resources"].get("GPU", 0)) for n in nodes) if uses_gpus else 0
         if gpus and processes_per_node not in (None, gpus):
             raise ResourcePoolError(f"role {role!r}: processes_per_node={processes_per_node} on nodes with "
                                     f"{gpus} GPUs; a GPU node runs one process per GPU")
         ppn = gpus or processes_per_node or 1
         sharing = max(sum(k.startswith("role:") for k in n["Resources"]) for n in nodes)
         cpus = min(n["Resources"].get("CPU", 0) for n in nodes) / ppn / sharing
-        return cls(role, [PoolNode.of(n) for n in nodes], ppn, cpus, 1 if gpus else 0, max_colocate_count)
+        return cls(role, [PoolNode.of(n) for n in nodes], ppn, cpus, 1 if gpus else 0, max_colocate_count, uses_gpus)
 
     @property
     def world_size(self) -> int:

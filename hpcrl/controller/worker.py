@@ -38,6 +38,9 @@ class Worker:
     built from the class's __init__ (and the group's restore hooks) is as good as any other: no
     trained state of its own. Such a worker reads self.rank and self.world_size when it needs them,
     never keeps them: they change when the group is resized."""
+    uses_gpus = True
+    """False: on a GPU node the role's processes hold no GPU (a CPU-only role such as the
+    environments, beside processes that each hold one) and run `processes_per_node` of them."""
 
     @property
     def role(self) -> str:
@@ -76,6 +79,11 @@ class RoleLog(io.TextIOBase):
 
     def flush(self) -> None:
         self.echo.flush()
+
+    def fileno(self) -> int:
+        """The original stream's descriptor: code that writes below Python (C libraries, vLLM's
+        suppress_stdout, which silences them by redirecting it) reaches the process's own stream."""
+        return self.echo.fileno()
 
 
 class WorkerHost:

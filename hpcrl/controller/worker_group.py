@@ -276,7 +276,8 @@ class WorkerGroup:
         left); what changed (hosts.resize's record), or None when nothing did. A node whose
         processes cannot be placed is left out (ResourcePoolError says so) until it leaves."""
         h = self._hosts
-        pool = ResourcePool.for_role(h.pool.role, h.pool.processes_per_node, h.pool.max_colocate_count, ray_nodes)
+        pool = ResourcePool.for_role(h.pool.role, h.pool.processes_per_node, h.pool.max_colocate_count, ray_nodes,
+                                     h.pool.uses_gpus)
         pool.nodes = [n for n in pool.nodes if n.node_id not in h.unplaceable]
         before, now = {n.node_id: n for n in h.pool.nodes}, {n.node_id: n for n in pool.nodes}
         if before.keys() == now.keys():

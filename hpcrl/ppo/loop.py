@@ -104,12 +104,14 @@ def build_worker_groups(cfg: TrainConfig, model_dir: Path, run_dir: Path,
     opts = {"log_dir": paths.logs, "restart_limit": cfg.layout.restart_limit, "standby": cfg.layout.standby}
 
     def colocated(together: list[str]) -> dict[str, WorkerGroup]:
-        pool = ResourcePool.for_role(together[0], cfg.layout.processes_per_node.get(together[0]), len(together))
+        pool = ResourcePool.for_role(together[0], cfg.layout.processes_per_node.get(together[0]), len(together),
+                                     uses_gpus=any(workers[r][0].uses_gpus for r in together))
         return WorkerGroup.colocated(pool, {r: workers[r] for r in together}, **opts)
 
     def alone(role: str) -> dict[str, WorkerGroup]:
         cls, args, kwargs = workers[role]
-        return {role: WorkerGroup(ResourcePool.for_role(role, cfg.layout.processes_per_node.get(role)), cls, args, kwargs, **opts)}
+        pool = ResourcePool.for_role(role, cfg.layout.processes_per_node.get(role), uses_gpus=cls.uses_gpus)
+        return {role: WorkerGroup(pool, cls, args, kwargs, **opts)}
 
     # every group at once: each start (process, torch import, model load) takes seconds, and the
     # groups are on different nodes

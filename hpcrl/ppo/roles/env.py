@@ -27,6 +27,7 @@ class Environments(Checkpointed, Worker):
     """Episodes of `cls(**kwargs)` on this rank; `timeout`: seconds for an environment's start or step."""
     frozen = True    # no trained state; an episode's state does not outlive its step
     elastic = True   # any number of ranks (hpcrl scale env=N) between steps
+    uses_gpus = False   # beside the rollout on a GPU node too, without taking a GPU
 
     def __init__(self, cls: str, kwargs: dict, timeout: float):
         try:
