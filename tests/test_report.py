@@ -64,7 +64,8 @@ def test_report_writes_pngs_and_an_html_that_chromium_renders(tmp_path):
     index = run / "report" / "index.html"
     assert out.stdout.strip() == f"report: {index}"
     pngs = {p.name for p in (run / "report").glob("*.png")}
-    assert pngs == {"timeline.png", *(name for name, *_ in CURVES if name != "validation.png")}   # no held-out set
+    # no held-out set, and single-turn: no validation or episodes curve
+    assert pngs == {"timeline.png", *(name for name, *_ in CURVES if name not in ("validation.png", "episodes.png"))}
     for name in pngs:
         assert (run / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = index.read_text()
