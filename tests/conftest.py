@@ -195,9 +195,17 @@ def run_local(run: Path, cfg: TrainConfig) -> list[dict]:
     return read_metrics(run / "metrics.jsonl")
 
 
+NOISE = {"rollout/log_prob_diff"}
+"""Metrics that measure float noise (the sampler's log-probs against the trainer's recomputed ones,
+~1e-7 on CPU): its size depends on how the CPU split the decoder's small matmuls among threads, which
+a loaded machine can change between two runs whose training is bitwise the same (seen once in CI)."""
+
+
 def comparable(records):
-    """Metrics records without what depends on the clock (when, how long, how fast)."""
-    return [{k: v for k, v in r.items() if k != "time" and not k.startswith(("timing/", "throughput/"))} for r in records]
+    """Metrics records without what depends on the clock (when, how long, how fast); the NOISE metrics
+    to 5 decimals."""
+    return [{k: (round(v, 5) if k in NOISE and v is not None else v) for k, v in r.items()
+             if k != "time" and not k.startswith(("timing/", "throughput/"))} for r in records]
 
 
 def plot_pixels_seen_by_chromium(html: Path, shot: Path) -> int:
