@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from gpu_phases import timed  # noqa: E402
 from gpu_ppo import SHAPE, decode_bytes  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -67,27 +68,13 @@ def prompts(name: str):
     return ids, torch.ones_like(ids)
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    import torch
-
-    out = fn()                        # compiles, captures, warms up
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
-
-
 def copy_bandwidth() -> float:
     """Bytes read and written per second by a 4 GiB device-to-device copy on this GPU."""
     import torch
 
     a = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
-    seconds, _ = timed(lambda: b.copy_(a), 5)
+    seconds = timed(lambda: b.copy_(a), 5)
     return 2 * a.numel() / seconds
 
 
@@ -131,14 +118,15 @@ def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: floa
 
         load = lambda w: model.load_state_dict(w, strict=False)  # noqa: E731
     ready = time.perf_counter() - t0
-    seconds, tokens = timed(generate, repeats)
-    tokens = int(tokens)
+    out = {}
+    seconds = timed(lambda: out.update(tokens=generate()), repeats)
+    tokens = int(out["tokens"])
     bound = decode_bytes(spec["shape"], new, spec["batch"], spec["prompt"]) / bandwidth
     row = {"engine": engine, "shape": name, "rows": spec["batch"], "prompt": spec["prompt"], "new_tokens": new,
            "ready_s": round(ready, 1), "generate_s": seconds, "sampled_tok_s": tokens / seconds, "bound_s": bound,
            "of_bound": bound / seconds}
     if name == "step":
-        row["load_weights_s"], _ = timed(lambda: load(weights), repeats)
+        row["load_weights_s"] = timed(lambda: load(weights), repeats)
     return row
 
 

@@ -73,7 +73,6 @@ for stage in "$@"; do
              timeout 420 python3 bench/gpu_ppo.py --model /tmp/smollm2 --runs torch,megatron --steps "${STEPS:-4}" \
                --out bench/gpu_ppo_smollm2.json 2>&1 | tee "$OUT/smollm2.log" | tail -6
              cp bench/gpu_ppo_smollm2.json "$OUT/" ;;
-    # the data goes to /tmp: the next call's copy of the working tree drops .realdata under the running bench
     vllm) [ -f /tmp/site/.vllm ] || { echo "vLLM is still to come"; exit 1; }
           timeout 420 python3 -m pytest tests/gpu/test_vllm_gpu.py -x -q -p no:cacheprovider 2>&1 | tee "$OUT/vllm-tests.log" | tail -15
           timeout 540 python3 bench/gpu_rollout.py 2>&1 | tee "$OUT/gpu_rollout.log" | tail -20

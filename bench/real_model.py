@@ -102,6 +102,16 @@ def trained_seconds(records: list[dict]) -> float:
     return sum(r.get("timing/step", 0.0) - r.get("timing/validate", 0.0) for r in records)
 
 
+def left_padded(rows: list[list[int]], pad_id: int, device):
+    """Token id rows as one left-padded batch for HF generate: (input_ids, attention_mask)."""
+    import torch
+
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
 def run_trl(args, work: Path, held: Path):
     """TRL's GRPOTrainer on the same model, data and settings; held-out accuracy off the clock."""
     import torch
@@ -133,11 +143,8 @@ def run_trl(args, work: Path, held: Path):
         right = 0
         model.eval()
         for start in range(0, len(ids), 64):
-            chunk = ids[start:start + 64]
-            width = max(map(len, chunk))
-            x = torch.tensor([[pad] * (width - len(s)) + s for s in chunk], device=model.device)
-            mask = (torch.arange(width, device=model.device)[None] >= torch.tensor(
-                [width - len(s) for s in chunk], device=model.device)[:, None]).long()
+            x, mask = left_padded(ids[start:start + 64], pad, model.device)
+            width = x.shape[1]
             with torch.no_grad():
                 out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
                                      eos_token_id=tok.stop_ids, pad_token_id=pad)

@@ -183,9 +183,8 @@ def check(model_dir: Path, args) -> dict:
     for turn in range(args.max_turns):
         if not open_:
             break
-        width = max(len(contexts[i]) for i in open_)
-        x = torch.tensor([[tok.pad_id] * (width - len(contexts[i])) + contexts[i] for i in open_], device=device)
-        mask = torch.tensor([[0] * (width - len(contexts[i])) + [1] * len(contexts[i]) for i in open_], device=device)
+        x, mask = real_model.left_padded([contexts[i] for i in open_], tok.pad_id, device)
+        width = x.shape[1]
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
             out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
                                  eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id)[:, width:].tolist()
