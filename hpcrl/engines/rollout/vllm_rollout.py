@@ -7,8 +7,14 @@ reset so no KV entry computed with the old weights is reused. No file is written
 
 With one process (tensor parallel 1) the engine runs inside the caller's process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uniprocess executor): weights are handed over as the
-tensors themselves. With tensor parallel > 1 vLLM runs its own worker processes; the weights then
-travel to them as one safetensors buffer through `collective_rpc`.
+tensors themselves. With tensor parallel > 1 (or `in_process=False`) vLLM runs its own engine and
+worker processes; the weights then travel to them as one safetensors buffer through `collective_rpc`.
+
+Seeds: by default every row is its own request with its own seed (`row_seed`), so a row's sample
+does not depend on the batch it came in. vLLM 0.20's sampler draws for such requests one by one
+in Python; an in-process engine can instead seed the process's generator once per call
+(`seed_rows=False`): the same call still samples the same tokens, but a row's draws then depend on
+its batch, as the static-cache engine's do. bench/gpu_rollout.py times both.
 """
 from __future__ import annotations
 
@@ -55,14 +61,19 @@ class VLLMRollout:
 
     def __init__(self, model_dir: str | Path, pad_id: int, eos_ids: list[int], cache_dir: str | Path,
                  tensor_parallel_size: int = 1, dtype: str = "float32", max_model_len: int | None = None,
-                 gpu_memory_utilization: float = 0.5, seed: int = 0):
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, in_process: bool | None = None,
+                 seed_rows: bool = True):
         vllm_environment(Path(cache_dir))
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")    # GiB; vLLM's default takes far more
-        self.in_process = tensor_parallel_size == 1
-        if self.in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.in_process = tensor_parallel_size == 1 if in_process is None else in_process
+        if self.in_process and tensor_parallel_size > 1:
+            raise ValueError("in_process needs tensor_parallel_size 1: vLLM runs a process per tensor-parallel rank")
+        if not (seed_rows or self.in_process):
+            raise ValueError("seed_rows=False needs the engine in this process (its sampler seeded here)")
+        self.seed_rows = seed_rows
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         from vllm import LLM
 
         self.pad_id, self.eos_ids, self.dtype = pad_id, list(eos_ids), getattr(torch, dtype)
@@ -76,15 +87,19 @@ class VLLMRollout:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  seed: int) -> dict[str, torch.Tensor]:
-        """Same layout as TorchRollout.generate. Row i is its own request, seeded `row_seed(seed, i)`.
-        Log-probs are those the sampler drew from (after temperature, top-k and top-p)."""
+        """Same layout as TorchRollout.generate. Row i is its own request, seeded `row_seed(seed, i)`
+        (seed_rows) or drawn from this process's generator seeded `seed`. Log-probs are those the
+        sampler drew from (after temperature, top-k and top-p)."""
         from vllm import SamplingParams as VSamplingParams
 
         self.wake_up()
+        if not self.seed_rows:
+            torch.manual_seed(seed)
         prompts = [{"prompt_token_ids": row[m.bool()].tolist()} for row, m in zip(prompt_ids, prompt_mask)]
         sampling = [VSamplingParams(n=1, temperature=params.temperature, top_p=params.top_p,
                                     top_k=params.top_k or -1, max_tokens=params.max_new_tokens,
-                                    stop_token_ids=self.eos_ids, logprobs=0, seed=row_seed(seed, i), detokenize=False)
+                                    stop_token_ids=self.eos_ids, logprobs=0, seed=row_seed(seed, i) if self.seed_rows else None,
+                                    detokenize=False)
                     for i in range(len(prompts))]
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         b, width = len(prompts), params.max_new_tokens
