@@ -2,7 +2,7 @@
 prompts, sampling at temperature 1; sampled tokens/s, the share of the bandwidth bound, and the time a
 weight update takes by path. Prints a table and writes bench/gpu_rollout.json.
 
-    python bench/gpu_rollout.py [--shapes step,long] [--engines vllm,vllm-proc,static,hf] [--repeats 3]
+    python bench/gpu_rollout.py [--shapes step,long] [--engines vllm,static,hf,vllm-proc] [--repeats 3]
 
 Shapes (random weights, bf16; no stop token, so every engine decodes every row to its length):
   step   bench/gpu_ppo.py's: a Qwen2-0.5B shape, 64 prompts × 256 tokens + 256 new
@@ -185,7 +185,7 @@ def group_member(rank: int, args: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="step,long")
-    ap.add_argument("--engines", default="vllm,vllm-proc,static,hf")
+    ap.add_argument("--engines", default="vllm,static,hf,vllm-proc")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcrl-gpu-rollout"))
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "gpu_rollout.json")
@@ -211,6 +211,12 @@ def main() -> int:
     def save(partial: bool) -> None:      # after every engine: a call cut short keeps what it measured
         args.json.write_text(json.dumps({"device": device, "copy_bandwidth": bandwidth, "partial": partial, "rows": rows,
                                          "weight_sync": syncs}, indent=1))
+    try:          # first: seconds, where the engines take minutes and a call may cut them short
+        syncs.append(group_sync(args.work, args.repeats))
+    except (RuntimeError, ValueError, IndexError) as e:     # a member's exit, or no line of result
+        print(f"group sync: {e}", flush=True)
+        syncs.append({"path": "collective group (gloo, via host memory)", "error": str(e)})
+    save(partial=True)
     for name in args.shapes.split(","):
         for engine in args.engines.split(","):
             proc = subprocess.run([sys.executable, __file__, "--one", engine, name, str(bandwidth), "--work", str(args.work),
@@ -228,7 +234,6 @@ def main() -> int:
                     where = "its own process, as one buffer" if engine == "vllm-proc" else "same process, on the GPU"
                     syncs.append({"path": f"load_weights into {engine} ({where})", "seconds": r["load_weights_s"]})
             save(partial=True)
-    syncs.append(group_sync(args.work, args.repeats))
     print(f"\n{'shape':6} {'engine':24} {'rows':>5} {'new':>5} {'s':>8} {'tok/s':>9} {'of bound':>9}")
     for r in rows:
         if "error" not in r:
@@ -236,7 +241,7 @@ def main() -> int:
                   f"{r['sampled_tok_s']:>9.0f} {r['of_bound']:>9.1%}")
     print(f"\n{'weight sync (step shape, bf16)':58} {'s':>7}")
     for s in syncs:
-        print(f"{s['path']:58} {s['seconds']:>7.3f}")
+        print(f"{s['path']:58} {s.get('seconds', float('nan')):>7.3f}")
     save(partial=False)
     return 0
 

@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
     work = tmp_path_factory.mktemp("vllm")
     random_weights(0).save_pretrained(work / "a")
     engine = VLLMRollout(work / "a", pad_id=0, eos_ids=[], cache_dir=work / "cache", dtype="bfloat16",
-                         max_model_len=PROMPT + NEW, gpu_memory_utilization=0.3, seed=0)
+                         max_model_len=PROMPT + NEW, gpu_memory_utilization=0.15, seed=0)
     g = torch.Generator().manual_seed(5)
     mask = torch.ones(8, PROMPT, dtype=torch.long)
     for i, pad in enumerate([0, 3, 0, 9, 1, 0, 12, 4]):
@@ -102,6 +102,6 @@ def test_sleep_frees_memory_and_wakes_with_new_weights(setup):
     free_awake = torch.cuda.mem_get_info()[0]
     engine.sleep()
     freed = torch.cuda.mem_get_info()[0] - free_awake
-    assert freed > 1 << 30, f"sleeping freed {freed / 2**30:.2f} GiB"      # the KV cache (0.3 of the GPU) at least
+    assert freed > 1 << 30, f"sleeping freed {freed / 2**30:.2f} GiB"      # the KV cache (most of 0.15 of the GPU)
     engine.load_weights({k: v.cuda() for k, v in b.state_dict().items()})     # wakes up, then loads
     assert torch.equal(engine.generate(ids, mask, greedy, seed=0)["responses"], before)
