@@ -60,7 +60,7 @@ class VLLMRollout:
     shares_module = False
 
     def __init__(self, model_dir: str | Path, pad_id: int, eos_ids: list[int], cache_dir: str | Path,
-                 tensor_parallel_size: int = 1, dtype: str = "float32", max_model_len: int | None = None,
+                 tensor_parallel_size: int = 1, dtype: str | None = None, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, in_process: bool | None = None,
                  seed_rows: bool = True):
         vllm_environment(Path(cache_dir))
@@ -76,6 +76,7 @@ class VLLMRollout:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         from vllm import LLM
 
+        dtype = dtype or ("bfloat16" if on_gpu else "float32")      # as the static-cache engine samples
         self.pad_id, self.eos_ids, self.dtype = pad_id, list(eos_ids), getattr(torch, dtype)
         self.sleeping, self.can_sleep = False, on_gpu
         self.llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype=dtype, seed=seed,
