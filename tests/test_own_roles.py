@@ -135,7 +135,7 @@ def test_two_critics_side_by_side_leave_the_built_in_training_as_it_was(tmp_path
     """jobs/tiny-cpu-two-critics.yaml (locally, one Ray node): its driver trains a second, smaller
     critic on the same data; the actor and the first critic train bitwise as the built-in loop
     trains them without it, both value losses fall, and the report draws them on one plot."""
-    runs = {}
+    runs, procs = {}, {}
     for name, own in (("two", True), ("builtin", False)):
         spec = yaml.safe_load((ROOT / "jobs" / "tiny-cpu-two-critics.yaml").read_text())
         with_train(spec, total_steps=12, progress=False)
@@ -145,8 +145,12 @@ def test_two_critics_side_by_side_leave_the_built_in_training_as_it_was(tmp_path
         runs[name] = tmp_path / name
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump({**spec, "run_dir": str(runs[name])}))
-        subprocess.run([sys.executable, "-m", "hpcrl", "run", str(path), "--local", "--num-cpus", "2"], cwd=ROOT,
-                       check=True, capture_output=True)
+        # both at once, each on its own local Ray: a 12-step run is mostly its start
+        with open(tmp_path / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen([sys.executable, "-m", "hpcrl", "run", str(path), "--local", "--num-cpus", "2"],
+                                           cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    for name, proc in procs.items():
+        assert proc.wait(timeout=900) == 0, (tmp_path / f"{name}.log").read_text()
     assert_same_training(runs["builtin"], runs["two"], 12, metrics=False)
     two, builtin = read_metrics(runs["two"] / "metrics.jsonl"), read_metrics(runs["builtin"] / "metrics.jsonl")
     assert [(r["reward/mean"], r["vf_loss/critic"]) for r in two] == [(r["reward/mean"], r["critic/vf_loss"]) for r in builtin]

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import LEARNING_STEPS, ROOT, comparable, run_local
+from conftest import LEARNING_STEPS, ROOT, comparable, run_local, start_local_training
 
 from hpcrl.controller import local_worker
 from hpcrl.controller.batch import Batch
@@ -154,9 +154,12 @@ def test_split_colocated_and_separate_rollout_layouts_give_identical_metrics(tmp
     """The same seeds draw the same samples wherever generation runs: in actor_rollout, in a process
     shared with ref, or in a separate rollout role that gets the actor's weights after each update."""
     cfg = TrainConfig(total_steps=3, progress=False)
-    split = run_local(tmp_path / "split", cfg)
-    fused = run_local(tmp_path / "fused", cfg.updated(colocate=[["actor_rollout", "ref"], ["critic", "reward"]]))
-    apart = run_local(tmp_path / "apart", cfg.updated(rollout_role=True))
+    layouts = {"split": cfg, "fused": cfg.updated(colocate=[["actor_rollout", "ref"], ["critic", "reward"]]),
+               "apart": cfg.updated(rollout_role=True)}
+    # the three at once, each on its own local Ray: a 3-step run is mostly its start
+    runs = [start_local_training(tmp_path / name, c) for name, c in layouts.items()]
+    assert [p.wait(timeout=900) for p in runs] == [0, 0, 0]
+    split, fused, apart = (read_metrics(tmp_path / name / "metrics.jsonl") for name in layouts)
     assert len(split) == 3 and comparable(split) == comparable(fused) == comparable(apart)
     assert split[-1]["actor/pg_loss"] is not None and split[-1]["critic/vf_loss"] is not None
 

@@ -4,6 +4,8 @@ The checkout's templates/ folder is the package `hpcrl.templates` once installed
 so a wheel carries its template and renders without the checkout."""
 from __future__ import annotations
 
+import functools
+
 import jinja2
 
 from hpcrl._version import __version__
@@ -13,6 +15,7 @@ from hpcrl.slurm import directives
 from hpcrl.slurm.job import HetJob
 
 
+@functools.cache     # one per process: an environment compiles each template once (~50 ms), on first use
 def template_environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("hpcrl.templates", ""), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
