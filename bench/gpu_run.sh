@@ -53,10 +53,15 @@ smollm2_dir() {
 bg() {
   local name=$1 src=/tmp/src/$1; shift
   rm -rf "$src"; mkdir -p "$src" /tmp/bg
-  tar --exclude=./.carry --exclude=./.whl --exclude=./.whl-vllm --exclude=./.git --exclude=./build -cf - . | tar -C "$src" -xf -
+  tar --exclude=./.carry --exclude=./.whl --exclude=./.whl-vllm --exclude=./.git --exclude=./build --exclude=./.venv -cf - . | tar -C "$src" -xf -
   # uninstalled: templates/ and jobs/ are the packages hpcrl.templates and hpcrl.jobs as setup.cfg maps them
   ln -s ../templates "$src/hpcrl/templates" && ln -s ../jobs "$src/hpcrl/jobs"
-  (cd "$src" && PYTHONPATH=/tmp/site:$src setsid nohup "$@" > "/tmp/bg/$name.log" 2>&1 < /dev/null & echo $! > "/tmp/bg/$name.pid")
+  # a simple command in the background (an `a && b &` list would leave a shell waiting on the bench, holding the
+  # caller's output open: `gpu_run.sh | tail` waited for it); the bench writes its own pid, as under job control
+  # (the device tool's `set -m`) setsid may fork
+  (cd "$src" || exit
+   PYTHONPATH=/tmp/site:$src setsid nohup bash -c 'echo $$ > "$0"; exec "$@"' "/tmp/bg/$name.pid" "$@" \
+     > "/tmp/bg/$name.log" 2>&1 < /dev/null &)
   echo "[gpu_run] $name started in the background: /tmp/bg/$name.log"
 }
 running() { local f; for f in /tmp/bg/*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && basename "$f" .pid; done; }
