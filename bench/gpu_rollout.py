@@ -18,6 +18,8 @@ Engines, each in a process of its own, one after the other:
 Bound: per decode step the bf16 weights and the KV cache so far are read once (bench/gpu_ppo.py's
 decode_bytes) at this GPU's device-to-device copy rate, measured at the start (4.3 TB/s on the H200);
 the time of a generate call includes the prompt's prefill.
+Profile (step shape, static and in-process vLLM): one more call under torch.profiler: how much of its
+wall time the GPU ran kernels, and which kernels took that time.
 Weight sync (the step shape's weights, bf16, on the GPU): `load_weights` into each engine in its
 process, and the collective group's path between two processes (hpcrl.controller.weight_transport
 with gloo, through host memory: what a rollout role on another node gets where NCCL is not available;
@@ -81,6 +83,28 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / seconds
 
 
+def kernel_profile(fn, top: int = 8) -> dict:
+    """Where one call's GPU time goes: the share of the wall time the GPU was running kernels (low: the
+    GPU waits on the host or on launches) and the kernels taking most of it (CUPTI sees the kernels
+    inside CUDA-graph replays too)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    own = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    events = [e for e in prof.key_averages() if own(e) > 0]
+    busy = sum(own(e) for e in events) / 1e6
+    events.sort(key=own, reverse=True)
+    return {"wall_s": wall, "kernels_s": busy, "gpu_busy": busy / wall, "kernel_launches": sum(e.count for e in events),
+            "top": [{"kernel": e.key[:90], "share": own(e) / 1e6 / busy, "count": e.count} for e in events[:top]]}
+
+
 def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: float) -> list[dict]:
     """This process: one engine on one shape; its rate (vllm: per variant) and (step shape) its
     weight-sync time."""
@@ -136,6 +160,11 @@ def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: floa
         rows.append({"engine": f"{engine}, {variant}" if variant else engine, "shape": name, "rows": spec["batch"],
                      "prompt": spec["prompt"], "new_tokens": new, "ready_s": round(ready, 1), "generate_s": seconds,
                      "sampled_tok_s": tokens / seconds, "bound_s": bound, "of_bound": bound / seconds})
+        if name == "step" and engine in ("static", "vllm"):     # kernels in this process (not vllm-proc's)
+            try:
+                rows[-1]["profile"] = kernel_profile(generate)
+            except Exception as e:  # noqa: BLE001  the rate stands without its profile
+                rows[-1]["profile"] = {"error": repr(e)[:300]}
     if name == "step":
         rows[0]["load_weights_s"] = timed(lambda: load(weights), repeats)
     return rows
@@ -230,6 +259,10 @@ def main() -> int:
                 rows.append(r)
                 print(f"{r['engine']:24} {name:5} {r['sampled_tok_s']:>10.0f} tok/s {r['of_bound']:>7.1%} of bound "
                       f"(ready in {r['ready_s']} s)", flush=True)
+                if "top" in r.get("profile", {}):
+                    pr = r["profile"]
+                    print(f"  GPU busy {pr['gpu_busy']:.0%} of {pr['wall_s']:.3f} s, {pr['kernel_launches']} kernels; "
+                          + "; ".join(f"{k['share']:.0%} {k['kernel'][:50]} ×{k['count']}" for k in pr["top"][:5]), flush=True)
                 if "load_weights_s" in r:
                     where = "its own process, as one buffer" if engine == "vllm-proc" else "same process, on the GPU"
                     syncs.append({"path": f"load_weights into {engine} ({where})", "seconds": r["load_weights_s"]})

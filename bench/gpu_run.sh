@@ -59,12 +59,22 @@ bg() {
   # a simple command in the background (an `a && b &` list would leave a shell waiting on the bench, holding the
   # caller's output open: `gpu_run.sh | tail` waited for it); the bench writes its own pid, as under job control
   # (the device tool's `set -m`) setsid may fork
+  rm -f "/tmp/bg/$name.pid"
   (cd "$src" || exit
    PYTHONPATH=/tmp/site:$src setsid nohup bash -c 'echo $$ > "$0"; exec "$@"' "/tmp/bg/$name.pid" "$@" \
      > "/tmp/bg/$name.log" 2>&1 < /dev/null &)
+  while [ ! -s "/tmp/bg/$name.pid" ]; do sleep 0.2; done     # so that `collect` right after sees it running
   echo "[gpu_run] $name started in the background: /tmp/bg/$name.log"
 }
-running() { local f; for f in /tmp/bg/*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && basename "$f" .pid; done; }
+# a bench that has exited stays a zombie (nobody here reaps it): running means alive and not in state Z
+running() {
+  local f state
+  for f in /tmp/bg/*.pid; do
+    [ -f "$f" ] || continue
+    state=$(awk '{print $3}' "/proc/$(cat "$f")/stat" 2>/dev/null)
+    [ -n "$state" ] && [ "$state" != Z ] && basename "$f" .pid
+  done
+}
 # learn NAME SCRIPT DATA RUNS MINUTES: bench/SCRIPT's learning RUNS on SmolLM2 and /tmp/realDATA in the background,
 # in one process (with PARALLEL=1 a process each, side by side on the GPU); MINUTES of training unless MINUTES is set
 learn() {
