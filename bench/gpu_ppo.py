@@ -237,11 +237,12 @@ def summarise(name: str, records: list[dict], shape: dict = SHAPE) -> dict:
            "generate_s": med("timing/generate"), "response_mean": med("response_length/mean") or RESPONSE}
     for phase in ("score", "update_critic", "update_actor", "sync_weights"):
         row[f"{phase}_s"] = med(f"timing/{phase}")
+    row["log_prob_diff"] = med("rollout/log_prob_diff")     # the sampler's log-probs against the trainer's
     response, longest = row["response_mean"], int(med("response_length/max") or RESPONSE)
     if row["generate_s"]:
         row["rollout_tokens_per_s"] = BATCH * response / row["generate_s"]
         row["generate_of_bound"] = decode_bytes(shape, longest) / BANDWIDTH / row["generate_s"]
-    row["per_step"] = [{k: v for k, v in r.items() if k.startswith("timing/") or k in ("step", "response_length/mean")}
+    row["per_step"] = [{k: v for k, v in r.items() if k.startswith("timing/") or k in ("step", "response_length/mean", "rollout/log_prob_diff")}
                         for r in records]
     if row["update_actor_s"]:
         score = 2 * model_flops(True, True, shape, response) + model_flops(True, False, shape, response)  # old, ref, values

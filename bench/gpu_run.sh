@@ -15,6 +15,8 @@
 #     of wall time per run;
 #   rollout: bench/gpu_rollout.py (vLLM, the static-cache engine and HF generate side by side);
 #   vllm-step: bench/gpu_ppo.py's PPO step sampling with the torch engine and with vLLM.
+#   vllm-role: the same step with vLLM in a rollout role of its own (its own process on the GPU, weights by CUDA
+#     IPC), sequential and pipelined.
 # vllm: tests/gpu/test_vllm_gpu.py.
 # What vLLM and the learning runs need travels as `python bench/gpu_carry.py pack --vllm --no-slurm` (five parts,
 # one a call, carry [".carry/K"]; every call runs this script: the one completing the small wheels installs them,
@@ -113,6 +115,8 @@ for stage in "$@"; do
           timeout 420 python3 -m pytest tests/gpu/test_vllm_gpu.py -q -p no:cacheprovider 2>&1 | tee "$OUT/vllm-tests.log" | tail -15 ;;
     rollout) bg rollout python3 bench/gpu_rollout.py --json /tmp/bg/rollout.json ;;
     vllm-step) bg vllm-step python3 bench/gpu_ppo.py --runs torch,torch+vllm --steps "${STEPS:-5}" --out /tmp/bg/vllm-step.json ;;
+    vllm-role) bg vllm-role python3 bench/gpu_ppo.py --layout rollout-apart --runs torch+vllm --steps "${STEPS:-5}" \
+                 --out /tmp/bg/vllm-role.json ;;
     packing) timeout 420 python3 bench/packing.py 2>&1 | tee "$OUT/packing.log" | tail -12
              cp bench/packing.json "$OUT/" ;;
     lora) learn lora lora.py data full,lora 10 ;;           # GRPO with LoRA beside full fine-tuning

@@ -163,8 +163,10 @@ class ModelSettings(Settings):
 class RolloutSettings(Settings):
     """Generation: the engine, sampling, and where and when it runs."""
     engine: Literal["torch", "vllm"] = "torch"
-    """"torch" (samples with the training module itself) or "vllm" (a vLLM engine in the rollout
-    process; the actor's new weights are loaded into it in place after every update)"""
+    """"torch": on a GPU, for Llama- and Qwen2-shaped models, hpcrl's static-cache engine (CUDA graphs; the
+    fastest on one GPU in docs/pages/how-to/vllm.md), else sampling with the training module itself;
+    "vllm": a vLLM engine in the rollout process (the actor's new weights loaded into it in place after
+    every update)"""
     own_role: bool = False
     """generate in a separate `rollout` role (its own nodes in the spec) instead of in actor_rollout;
     the actor's weights travel to it after every update"""
