@@ -114,6 +114,35 @@ def test_static_cache_rollout_log_probs_equal_the_training_forward(model_dir):
     assert torch.equal(again["responses"], out["responses"])       # graph replays are deterministic
 
 
+def test_static_cache_rollout_compiles_once_more_for_any_number_of_shapes(model_dir):
+    """A multi-turn rollout samples a new (rows, context width) at every turn: the compiled model step
+    serves them all after at most two compiles more than the first (each compile takes seconds to
+    minutes), and its log-probs stay the HF forward's."""
+    from torch._dynamo.utils import counters
+
+    from hpcrl.controller.batch import Batch
+    from hpcrl.engines.base import SamplingParams
+    from hpcrl.engines.rollout.static_cache import StaticCacheRollout
+    from hpcrl.models import load_causal_lm
+
+    model = load_causal_lm(model_dir)
+    engine = StaticCacheRollout(model.config, 0, [2], "cuda")
+    engine.load_weights(model.state_dict())
+    g = torch.Generator().manual_seed(6)
+    shapes = [(16, 40), (16, 100), (11, 140), (7, 230), (13, 70), (16, 40)]
+    graphs = []
+    for rows, width in shapes:
+        prompts = torch.randint(3, 4099, (rows, width), generator=g)
+        out = engine.generate(prompts, torch.ones_like(prompts), SamplingParams(max_new_tokens=48), seed=1)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] - graphs[0] <= 2, (shapes, graphs)
+    batch = Batch({"input_ids": torch.cat([prompts, out["responses"]], 1),
+                   "attention_mask": torch.cat([torch.ones_like(prompts), out["response_mask"]], 1),
+                   "responses": out["responses"]})
+    m = out["response_mask"].bool()
+    assert rel(out["rollout_log_probs"][m], hf_log_probs(model_dir, batch)[m]) < 2e-2
+
+
 def test_device_weights_reach_a_rollout_engine_in_another_process_on_the_gpu(model_dir, tmp_path, monkeypatch):
     """The actor's weights through CUDA IPC into a StaticCacheRollout in another process on the same
     GPU, both with the workers' allocator (expandable segments): bitwise the producer's bf16 cast;

@@ -48,6 +48,7 @@ class StaticCacheRollout:
         self.sin = angles.sin().float().to(self.device)
         self.w: dict | None = None
         self.compile = compile
+        self.compiled_step = None                 # the model step compiled by Inductor, shared by every shape
         self.decoders: dict[tuple, tuple] = {}   # (batch, cache length, steps, sampling) -> decode run, its buffers
 
     # --- weights
@@ -133,7 +134,12 @@ class StaticCacheRollout:
         eos = torch.tensor(self.eos_ids, **long)
         model_step = self._forward
         if dev.type == "cuda" and self.compile:
-            model_step = torch.compile(self._forward, dynamic=False, fullgraph=True)
+            # one compiled function for every shape: Dynamo compiles it for the first (rows, cache length) and
+            # once more, at the first other, with those sizes symbolic, which then serves every shape. A
+            # multi-turn rollout meets a new shape each turn; compiled per shape, each turn took a compile
+            if self.compiled_step is None:
+                self.compiled_step = torch.compile(self._forward, fullgraph=True)
+            model_step = self.compiled_step
 
         def run():
             for j in range(steps):
