@@ -242,8 +242,8 @@ def summarise(name: str, records: list[dict], shape: dict = SHAPE) -> dict:
     if row["generate_s"]:
         row["rollout_tokens_per_s"] = BATCH * response / row["generate_s"]
         row["generate_of_bound"] = decode_bytes(shape, longest) / BANDWIDTH / row["generate_s"]
-    row["per_step"] = [{k: v for k, v in r.items() if k.startswith("timing/") or k in ("step", "response_length/mean", "rollout/log_prob_diff")}
-                        for r in records]
+    kept = ("step", "response_length/mean", "rollout/log_prob_diff")
+    row["per_step"] = [{k: v for k, v in r.items() if k.startswith("timing/") or k in kept} for r in records]
     if row["update_actor_s"]:
         score = 2 * model_flops(True, True, shape, response) + model_flops(True, False, shape, response)  # old, ref, values
         update = model_flops(False, True, shape, response) + model_flops(False, False, shape, response)    # actor, critic

@@ -84,20 +84,19 @@ def copy_bandwidth() -> float:
 
 
 def kernel_profile(fn, top: int = 8) -> dict:
-    """Where one call's GPU time goes: the share of the wall time the GPU was running kernels (low: the
-    GPU waits on the host or on launches) and the kernels taking most of it (CUPTI sees the kernels
-    inside CUDA-graph replays too)."""
+    """Where one call of `fn` (warm: compiled and captured) spends its GPU time: the share of the wall
+    time the GPU was running kernels (low: the GPU waits on the host or on launches) and the kernels
+    taking most of it (CUPTI sees the kernels inside CUDA-graph replays too)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    own = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    own = lambda e: e.self_device_time_total  # noqa: E731
     events = [e for e in prof.key_averages() if own(e) > 0]
     busy = sum(own(e) for e in events) / 1e6
     events.sort(key=own, reverse=True)
@@ -162,7 +161,7 @@ def one_engine(engine: str, name: str, work: Path, repeats: int, bandwidth: floa
                      "sampled_tok_s": tokens / seconds, "bound_s": bound, "of_bound": bound / seconds})
         if name == "step" and engine in ("static", "vllm"):     # kernels in this process (not vllm-proc's)
             try:
-                rows[-1]["profile"] = kernel_profile(generate)
+                rows[-1]["profile"] = kernel_profile(generate)     # warm: timed() ran it
             except Exception as e:  # noqa: BLE001  the rate stands without its profile
                 rows[-1]["profile"] = {"error": repr(e)[:300]}
     if name == "step":

@@ -65,7 +65,7 @@ bg() {
   (cd "$src" || exit
    PYTHONPATH=/tmp/site:$src setsid nohup bash -c 'echo $$ > "$0"; exec "$@"' "/tmp/bg/$name.pid" "$@" \
      > "/tmp/bg/$name.log" 2>&1 < /dev/null &)
-  while [ ! -s "/tmp/bg/$name.pid" ]; do sleep 0.2; done     # so that `collect` right after sees it running
+  for _ in $(seq 50); do [ -s "/tmp/bg/$name.pid" ] && break; sleep 0.2; done   # so `collect` right after sees it
   echo "[gpu_run] $name started in the background: /tmp/bg/$name.log"
 }
 # a bench that has exited stays a zombie (nobody here reaps it): running means alive and not in state Z
@@ -152,7 +152,7 @@ for stage in "$@"; do
              touch /tmp/gpu-slurm/started
            fi
            end=$((SECONDS + ${WAIT:-500}))
-           while [ ! -f /tmp/gpu-slurm/gpu_slurm.json ] && [ $SECONDS -lt $end ] && pgrep -f bench/gpu_slurm.py >/dev/null; do
+           while [ ! -f /tmp/gpu-slurm/gpu_slurm.json ] && [ $SECONDS -lt $end ] && running | grep -qx gpu_slurm; do
              sleep 20; tail -n 2 /tmp/bg/gpu_slurm.log
            done
            tail -n 25 /tmp/bg/gpu_slurm.log

@@ -47,8 +47,12 @@ class StaticCacheRollout:
         self.cos = angles.cos().float().to(self.device)
         self.sin = angles.sin().float().to(self.device)
         self.w: dict | None = None
-        self.compile = compile
-        self.compiled_step = None                 # the model step compiled by Inductor, shared by every shape
+        # the model step, on CUDA compiled by Inductor (lazily, at its first call). One compiled function for
+        # every shape: Dynamo compiles it for the first (rows, cache length) and once more, at the first other,
+        # with those sizes symbolic, which then serves every shape. A multi-turn rollout meets a new shape each
+        # turn; compiled per shape, each turn took a compile
+        self.model_step = (torch.compile(self._forward, fullgraph=True) if self.device.type == "cuda" and compile
+                           else self._forward)
         self.decoders: dict[tuple, tuple] = {}   # (batch, cache length, steps, sampling) -> decode run, its buffers
 
     # --- weights
@@ -132,14 +136,6 @@ class StaticCacheRollout:
                "noise": torch.ones(steps, b, v, device=dev) if params.temperature else [None] * steps,
                "tokens": torch.zeros(b, steps, **long), "log_probs": torch.zeros(b, steps, device=dev)}
         eos = torch.tensor(self.eos_ids, **long)
-        model_step = self._forward
-        if dev.type == "cuda" and self.compile:
-            # one compiled function for every shape: Dynamo compiles it for the first (rows, cache length) and
-            # once more, at the first other, with those sizes symbolic, which then serves every shape. A
-            # multi-turn rollout meets a new shape each turn; compiled per shape, each turn took a compile
-            if self.compiled_step is None:
-                self.compiled_step = torch.compile(self._forward, fullgraph=True)
-            model_step = self.compiled_step
 
         def run():
             for j in range(steps):
@@ -147,7 +143,7 @@ class StaticCacheRollout:
                 buf["tokens"][:, j] = tok
                 buf["log_probs"][:, j] = logp
                 buf["valid"].index_fill_(1, buf["slot"], True)
-                buf["logits"].copy_(model_step(tok[:, None], buf["pos"], buf["slot"], cache, length,
+                buf["logits"].copy_(self.model_step(tok[:, None], buf["pos"], buf["slot"], cache, length,
                                                buf["valid"][:, None, None, :]))
                 buf["pos"] += 1
                 buf["slot"] += 1
