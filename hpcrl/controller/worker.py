@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -96,6 +95,7 @@ class WorkerHost:
         self.rank, self.current = 0, roles[0]
         self.workers: dict[str, Worker] = {}
         self.files, self.calls = {}, {}
+        self.store: dist.TCPStore | None = None   # rank 0's: where its group meets
 
     def log_line(self, line: str, echo) -> None:
         prefixed = f"[{self.current} rank{self.rank}] {line}\n"
@@ -106,12 +106,13 @@ class WorkerHost:
         echo.write(prefixed)
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0 names the address every rank of this group meets at (a free port on its node)."""
+        """Rank 0 opens the store every rank of this group meets at and names its address. The
+        store binds its own free port and holds it: a port picked free and released for the store to
+        bind later can be taken meanwhile (another group forming, any outgoing connection)."""
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
+        return ray.util.get_node_ip_address(), self.store.port
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], workers: dict[str, tuple],
               num_threads: int, gpu_ids: list | None, timeout_s: float) -> tuple[int, list]:
@@ -165,8 +166,12 @@ class WorkerHost:
                 sys.stdout, sys.stderr = RoleLog(self, sys.__stdout__), RoleLog(self, sys.__stderr__)
         gpu = torch.cuda.is_available()
         self.device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
-        dist.init_process_group("nccl" if gpu else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        if rank != 0:   # a former rank 0 of a resized group lets its old store go
+            self.store = None
+        store = self.store if rank == 0 else dist.TCPStore(*master, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
 
     def execute(self, role: str, method: str, /, *args, **kwargs):
         self.current, start = role, time.time()
