@@ -1,15 +1,20 @@
 """Models are Hugging Face causal LMs in a local directory (config + weights + tokenizer): never a
 hub download at run time. On CPU a tiny Qwen2 is built from its config, once, into the run
-directory, so every role loads the same initial weights."""
+directory, so every role loads the same initial weights (and once into the user's cache, from
+which the next run with the same one copies it)."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from hpcrl.files import cache_dir
 from hpcrl.models.packing import PACKED, Packed, to_rows
 from hpcrl.models.tokenizer import CharTokenizer
 
@@ -33,19 +38,51 @@ def tiny_qwen2_config(vocab_size: int, hidden_size: int = 128, layers: int = 2, 
 
 
 def create_model_dir(path: Path, tokenizer: CharTokenizer, seed: int, **config) -> Path:
-    """Random tiny Qwen2 weights (seeded) + tokenizer, saved in HF format. Kept if already there."""
-    from transformers import AutoModelForCausalLM
-
+    """Random tiny Qwen2 weights (seeded) + tokenizer, saved in HF format. Kept if already there.
+    Copied from the user's cache where an earlier run built the same one (same bytes): building it
+    imports transformers, seconds of every fresh run's start otherwise."""
     path = Path(path)
     if (path / "config.json").exists():
         return path
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(tokenizer.vocab_size, **config))
     tmp = path.with_name(path.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    cached = _cached_tiny_model(tokenizer, seed, config)
+    if cached is not None:
+        shutil.copytree(cached, tmp)
+    else:
+        _build_tiny_model(tmp, tokenizer, seed, config)
     os.replace(tmp, path)   # a crash leaves no half model that others would load
     return path
+
+
+def _build_tiny_model(path: Path, tokenizer: CharTokenizer, seed: int, config: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(tokenizer.vocab_size, **config))
+    model.save_pretrained(path)
+    tokenizer.save(path)
+
+
+def _cached_tiny_model(tokenizer: CharTokenizer, seed: int, config: dict) -> Path | None:
+    """The tiny model under cache_dir(), built there first if missing: one per alphabet, seed,
+    shape and the transformers and torch versions that build it. None where the cache cannot be
+    written (the run builds its own)."""
+    from importlib.metadata import version
+
+    key = json.dumps({"chars": tokenizer.chars, "seed": seed, "config": config, "torch": torch.__version__,
+                      "transformers": version("transformers")}, sort_keys=True)
+    cached = cache_dir() / "tiny-models" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (cached / "config.json").exists():
+        return cached
+    tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+    try:
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        _build_tiny_model(tmp, tokenizer, seed, config)
+        os.replace(tmp, cached)
+    except OSError:   # read-only cache, or another run's copy landed first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cached if (cached / "config.json").exists() else None
 
 
 def load_causal_lm(path: Path, dtype=torch.float32):

@@ -149,7 +149,7 @@ class RewardSettings(Settings):
 class ModelSettings(Settings):
     """The policy model, and where the critic starts."""
     path: PathText = ""
-    """an HF causal LM directory; empty: a tiny Qwen2 built from the sizes below into RUN_DIR/model"""
+    """an HF causal LM directory; empty: a tiny Qwen2 of the sizes below in RUN_DIR/model (cached in $XDG_CACHE_HOME/hpcrl)"""
     hidden_size: PositiveInt = 128
     """tiny model width (head_dim = hidden_size / heads must be ≥ 32)"""
     layers: PositiveInt = 2
