@@ -95,7 +95,7 @@ class WorkerHost:
         self.rank, self.current = 0, roles[0]
         self.workers: dict[str, Worker] = {}
         self.files, self.calls = {}, {}
-        self.store: dist.TCPStore | None = None   # rank 0's: where its group meets
+        self.store: dist.TCPStore | None = None   # where its group meets: opened by rank 0, joined by the others
 
     def log_line(self, line: str, echo) -> None:
         prefixed = f"[{self.current} rank{self.rank}] {line}\n"
@@ -111,8 +111,9 @@ class WorkerHost:
         bind later can be taken meanwhile (another group forming, any outgoing connection)."""
         import ray
 
-        self.store = dist.TCPStore(ray.util.get_node_ip_address(), 0, is_master=True, wait_for_workers=False)
-        return ray.util.get_node_ip_address(), self.store.port
+        address = ray.util.get_node_ip_address()
+        self.store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
+        return address, self.store.port
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], workers: dict[str, tuple],
               num_threads: int, gpu_ids: list | None, timeout_s: float) -> tuple[int, list]:
@@ -167,10 +168,9 @@ class WorkerHost:
         gpu = torch.cuda.is_available()
         self.device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
         timeout = timedelta(seconds=timeout_s)
-        if rank != 0:   # a former rank 0 of a resized group lets its old store go
-            self.store = None
-        store = self.store if rank == 0 else dist.TCPStore(*master, is_master=False, timeout=timeout)
-        dist.init_process_group("nccl" if gpu else "gloo", store=store, rank=rank, world_size=world_size,
+        if rank != 0:   # rank 0's was opened by rendezvous (a former rank 0 of a resized group lets its old one go)
+            self.store = dist.TCPStore(*master, is_master=False, timeout=timeout)
+        dist.init_process_group("nccl" if gpu else "gloo", store=self.store, rank=rank, world_size=world_size,
                                 timeout=timeout)
 
     def execute(self, role: str, method: str, /, *args, **kwargs):
