@@ -91,8 +91,10 @@ def test_carried_cluster_gives_each_virtual_node_its_own_gpus(slurm_cluster, tmp
         assert up.returncode == 0, up.stdout + up.stderr
         assert "Slurm: carried packages" in cluster("status").stdout
         exports = dict(line.removeprefix("export ").split("=", 1) for line in cluster("env").stdout.splitlines())
-        job_env = {**env, "SLURM_CONF": exports["SLURM_CONF"],
-                   "PATH": exports["PATH"].replace("$PATH", os.environ["PATH"])}
+        # a submitter without LD_LIBRARY_PATH, explicitly: the pytest process's may hold what an imported
+        # package added (cv2 adds its lib64), and the job must get none, the carried prefix least of all
+        job_env = {k: v for k, v in env.items() if k != "LD_LIBRARY_PATH"}
+        job_env.update(SLURM_CONF=exports["SLURM_CONF"], PATH=exports["PATH"].replace("$PATH", os.environ["PATH"]))
         out = tmp_path / "out"
         script = tmp_path / "het.sh"
         script.write_text("#!/bin/bash\n#SBATCH -p h100 -w h100n2 --gres=gpu:h100:2\n#SBATCH hetjob\n"
