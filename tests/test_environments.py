@@ -4,10 +4,13 @@ template's rendering of the whole conversation, episodes of the real SmolLM2 wri
 by the rollout role and answered by the env role (both real workers, in this process), failed
 episodes, and GAE over the model's tokens against a numpy version that never sees an observation."""
 import asyncio
+import errno
 import itertools
 import json
 import random
 import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ import torch
 from hpcrl.algo import gae
 from hpcrl.controller import local_worker
 from hpcrl.controller.batch import Batch
-from hpcrl.environments import Calculator, Environment, ToolEnvironment, ToolError, Turn
+from hpcrl.environments import Calculator, Environment, Tool, ToolEnvironment, ToolError, Turn
 from hpcrl.environments.tool_calls import MalformedCall, ToolCall, parse_tool_calls
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.ppo.config import TrainConfig
@@ -42,10 +45,69 @@ def test_the_calculator_computes_what_python_does():
 
 
 @pytest.mark.parametrize("expr, why", [("__import__('os')", "only numbers"), ("a+1", "only numbers"),
-                                       ("9**9**9", "too large"), ("2+", "not an arithmetic"), ("1/0", "division")])
+                                       ("9**9**9", "too large"), ("2+", "not an arithmetic"), ("1/0", "division"),
+                                       ("(-8)**0.5", "not a real number"), ("1\x00", "not an arithmetic")])
 def test_the_calculator_refuses_what_is_not_arithmetic(expr, why):
     with pytest.raises(ToolError, match=why):
         Calculator().evaluate(expr)
+
+
+@pytest.mark.parametrize("expr, why", [
+    ("(9**999)**999", "integers of at most 1000 digits"),       # was an uncaught ValueError (str of the result)
+    ("((10**1000)**1000)**1000", "integers of at most 1000 digits"),     # was minutes of work on the event loop
+    ("10**999*10", "integers of at most 1000 digits"), ("0x" + "f" * 900, "integers of at most 1000 digits"),
+    ("-" * 150 + "1", "151 levels deep.*at most 100"),           # deep unary minus, long sums: RecursionError
+    ("+".join(["1"] * 400), "400 levels deep.*at most 100"), ("1" + "+1" * 600, "1201 characters long.*at most 1000"),
+    ("-" * 100_000 + "1", "100001 characters long"), ("+".join(["1"] * 100_000), "199999 characters long"),
+    ("1e999", "too large for a floating-point number"), ("1e300*1e300", "too large for a floating-point number"),
+    ("10**400/3", "too large for a floating-point number")])
+def test_the_calculator_says_which_bound_an_expression_passes(expr, why):
+    with pytest.raises(ToolError, match=why):
+        Calculator().evaluate(expr)
+    assert Calculator().evaluate("-" * 99 + "1") == "-1" and Calculator().evaluate("+".join(["1"] * 100)) == "100"
+    assert Calculator().evaluate("2**3321") == str(2**3321) and Calculator().evaluate("(-1)**(10**999)") == "1"
+
+
+def unruly_expression(rng: random.Random, depth: int = 0) -> str:
+    """Arithmetic as a model might write it to break a calculator: huge and tiny numbers, towers of
+    powers, long sums, deep unary minus, and ordinary pieces between them."""
+    if depth > 4 or rng.random() < 0.3:
+        return rng.choice([lambda: str(rng.randint(0, 99)), lambda: str(rng.randint(0, 10 ** rng.randint(1, 600))),
+                           lambda: f"{rng.random() * 10:.3f}e{rng.randint(-999, 999)}", lambda: hex(rng.getrandbits(64)),
+                           lambda: "1e999", lambda: "0"])()
+    kind = rng.random()
+    if kind < 0.15:
+        return "-" * rng.randint(1, 160) + unruly_expression(rng, depth + 1)
+    if kind < 0.3:
+        return "+".join(unruly_expression(rng, 5) for _ in range(rng.randint(2, 300)))
+    if kind < 0.5:
+        return "**".join(f"({unruly_expression(rng, depth + 1)})" for _ in range(rng.randint(2, 4)))
+    op = rng.choice(["+", "-", "*", "/", "//", "%", "**"])
+    return f"({unruly_expression(rng, depth + 1)}){op}({unruly_expression(rng, depth + 1)})"
+
+
+def test_every_expression_is_a_value_or_a_tool_error_within_milliseconds():
+    """Whatever the model writes: Python's own value (where it is an integer), or a ToolError; never
+    another exception, and never more than a moment of work (bounded before it is computed)."""
+    seed = random.randrange(2**32)
+    rng, calculator, slowest = random.Random(seed), Calculator(), (0.0, "")
+    outcomes = {"value": 0, "refused": 0}
+    for _ in range(3000):
+        expr = unruly_expression(rng)
+        start = time.perf_counter()
+        try:
+            got = calculator.evaluate(expr)
+        except ToolError:
+            got = None
+        except Exception as e:
+            pytest.fail(f"seed {seed}: {expr[:300]!r} raised {type(e).__name__}: {e}")
+        slowest = max(slowest, (time.perf_counter() - start, expr))
+        outcomes["value" if got is not None else "refused"] += 1
+        if got is not None:    # every value on the way was within bounds: Python's own arithmetic is quick here too
+            want = eval(expr)           # noqa: S307 - the reference: numbers and operators only
+            assert not isinstance(want, int) or got == str(want), f"seed {seed}: {expr[:300]!r}"
+    assert slowest[0] < 0.5, f"seed {seed}: {slowest[1][:300]!r} took {slowest[0]:.2f} s"
+    assert min(outcomes.values()) > 300, f"seed {seed}: {outcomes}"
 
 
 def test_tool_calls_in_qwens_format():
@@ -57,6 +119,10 @@ def test_tool_calls_in_qwens_format():
     assert isinstance(calls[2], MalformedCall) and "not JSON" in calls[2].why
     assert calls[3] == ToolCall("calculator", {"expression": "1"})        # unclosed: the stop token came first
     assert parse_tool_calls("The answer is 84.") == []
+    deep = parse_tool_calls("<tool_call>" + "[" * 100_000 + '</tool_call><tool_call>{"name": "c", "arguments": "'
+                            + "[" * 100_000 + '"}</tool_call>')
+    assert [(type(c), c.why) for c in deep] == [(MalformedCall, "JSON nested deeper than it can be read"),
+                                                (MalformedCall, "arguments must be a JSON object")]
 
 
 def test_the_tool_environment_answers_each_call_and_counts_the_errors():
@@ -257,6 +323,74 @@ def test_gae_over_a_multi_turn_response_is_gae_over_the_models_tokens_alone():
             want[t] = last
         np.testing.assert_allclose(adv[row].numpy()[keep], want, rtol=1e-10)
         assert np.all(adv[row].numpy()[~keep] == 0)
+
+
+class Stuck(Tool):
+    """Never answers in time: it awaits forever, or (arguments {"block": s}) blocks its thread s seconds."""
+    name = "stuck"
+    time_limit_s = 0.5
+
+    async def __call__(self, arguments):
+        if "block" in arguments:
+            time.sleep(arguments["block"])
+        else:
+            await asyncio.sleep(3600)
+        return "too late"
+
+
+def stuck_threads() -> int:
+    return sum(t.name == "tool stuck" for t in threading.enumerate())
+
+
+def test_tool_calls_run_off_the_event_loop_and_a_stuck_one_is_cut_at_its_time_limit():
+    """Calls that await forever or block their thread are cut at the tool's time limit and answered
+    as tool errors; the environment's event loop, which every episode of the env rank shares, never
+    waits on a call meanwhile (a ticker on it keeps ticking), and the call that awaited is cancelled."""
+    env = ToolEnvironment(tools=["test_environments:Stuck", "calculator"])
+    call = '<tool_call>{{"name": "{}", "arguments": {}}}</tool_call>'
+    text = (call.format("stuck", "{}") + call.format("stuck", '{"block": 3}')
+            + call.format("calculator", '{"expression": "((10**1000)**1000)**1000"}'))
+
+    async def step_and_ticks():
+        ticks = [time.monotonic()]
+
+        async def ticker():
+            while True:
+                await asyncio.sleep(0.01)
+                ticks.append(time.monotonic())
+        beat = asyncio.create_task(ticker())
+        start = time.monotonic()
+        turn = await env.step(text)
+        took = time.monotonic() - start
+        beat.cancel()
+        return turn, took, max(b - a for a, b in zip(ticks, ticks[1:]))
+    before = stuck_threads()
+    turn, took, longest_gap = asyncio.run(step_and_ticks())
+    cut = "error: stopped: stuck did not answer within its time limit of 0.5 s"
+    assert [m["content"] for m in turn.observation] == [
+        cut, cut, "error: the result is too large: the calculator works with integers of at most 1000 digits"]
+    assert turn.info == {"tool_calls": 3, "tool_errors": 3}
+    assert 0.5 <= took < 2.5 and longest_gap < 0.4, (took, longest_gap)
+    deadline = time.monotonic() + 2.0      # the awaiting call was cancelled; the blocked one sleeps on (3 s)
+    while stuck_threads() > before + 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stuck_threads() == before + 1
+
+
+def test_the_python_tool_is_cut_at_its_wall_clock_and_a_sandbox_that_cannot_start_is_a_tool_error():
+    env = ToolEnvironment(tools=[{"python": {"wall_s": 1}}])
+    call = '<tool_call>{"name": "python", "arguments": {"code": "import time; time.sleep(1000)"}}</tool_call>'
+    start = time.monotonic()
+    turn = asyncio.run(env.step(call))
+    assert "wall-clock time limit" in turn.observation[0]["content"] and turn.info["tool_errors"] == 1
+    assert 1 <= time.monotonic() - start < 1 + env.all["python"].time_limit_s
+
+    def no_processes(code, limits):
+        raise BlockingIOError(errno.EAGAIN, "Resource temporarily unavailable")
+    env.all["python"].run = no_processes
+    turn = asyncio.run(env.step(call))
+    assert turn.observation[0]["content"] == ("error: the sandbox could not start: [Errno 11] Resource temporarily "
+                                              "unavailable") and turn.info["tool_errors"] == 1
 
 
 def test_the_python_tool_runs_in_the_sandbox_and_what_it_refuses_is_a_tool_error():

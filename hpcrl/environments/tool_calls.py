@@ -39,6 +39,9 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
         except ValueError as e:
             calls.append(MalformedCall(body, f"not JSON ({e})"))
             continue
+        except RecursionError:      # json reads nested arrays and objects by recursion
+            calls.append(MalformedCall(body, "JSON nested deeper than it can be read"))
+            continue
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append(MalformedCall(body, 'needs {"name": ..., "arguments": {...}}'))
             continue
@@ -46,7 +49,7 @@ def parse_tool_calls(text: str) -> list[ToolCall | MalformedCall]:
         if isinstance(arguments, str):      # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):     # said below: not an object
                 pass
         if not isinstance(arguments, dict):
             calls.append(MalformedCall(body, "arguments must be a JSON object"))

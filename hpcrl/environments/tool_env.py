@@ -3,8 +3,10 @@
 A turn with tool calls (Hermes `<tool_call>` JSON, tool_calls.py) gets one `tool` message per call,
 the calls run at once; a turn without one is the answer: the episode ends there, and the reward
 role scores it as it scores a single-turn response (train.reward). A malformed call, an unknown
-tool or a call that fails (ToolError) is answered with the error, counted in `tool_errors`, and
-the model may try again. Rows in verl's multi-turn format name their tools in
+tool, a call that fails (ToolError) or one cut at its tool's `time_limit_s` is answered with the
+error, counted in `tool_errors`, and the model may try again. Each call runs in a thread of its
+own on an event loop of its own: a tool that computes or blocks holds up neither the env rank's
+loop (every other episode) nor the other calls. Rows in verl's multi-turn format name their tools in
 `extra_info.tools_kwargs` ({tool name: {...}}): only those are callable in that episode.
 
     train:
@@ -15,10 +17,12 @@ the model may try again. Rows in verl's multi-turn format name their tools in
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 from hpcrl.environments.base import Environment, Turn
 from hpcrl.environments.tool_calls import MalformedCall, ToolCall, parse_tool_calls
-from hpcrl.environments.tools import ToolError, tool_class
+from hpcrl.environments.tools import Tool, ToolError, tool_class
 
 
 class ToolEnvironment(Environment):
@@ -64,6 +68,46 @@ class ToolEnvironment(Environment):
         if tool is None:
             return f"error: no tool named {call.name!r} (tools: {', '.join(self.callable)})", True
         try:
-            return await tool(call.arguments), False
+            return await _call(tool, call.arguments), False
         except ToolError as e:
             return f"error: {e}", True
+
+
+async def _call(tool: Tool, arguments: dict) -> str:
+    """The tool's answer, from a thread of its own running the call on an event loop of its own.
+    Past tool.time_limit_s (or when the episode's step is cancelled) the call is cancelled in its loop
+    and answered as a ToolError; a call that blocks its thread without awaiting cannot be cancelled,
+    and its thread is left to finish unheard (a daemon: it never holds up the process's exit)."""
+    loop, own = asyncio.get_running_loop(), asyncio.new_event_loop()
+    answer = loop.create_future()
+
+    async def call():
+        return await tool(arguments)
+    task = own.create_task(call())      # the tool's code first runs in the thread, never on this loop
+
+    def settle(result, error) -> None:
+        if answer.done():       # the call was cut meanwhile
+            return
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome = own.run_until_complete(task), None
+        except BaseException as e:   # noqa: BLE001 - the tool's own error (ToolError or not) goes to the episode
+            outcome = None, e
+        with contextlib.suppress(RuntimeError):    # the environment's loop closed meanwhile: no one waits
+            loop.call_soon_threadsafe(settle, *outcome)
+        own.run_until_complete(own.shutdown_default_executor())     # the tool's to_thread work, if it was cut
+        own.close()
+    threading.Thread(target=run, name=f"tool {tool.name}", daemon=True).start()
+    try:
+        return await asyncio.wait_for(answer, tool.time_limit_s)
+    except asyncio.TimeoutError:
+        raise ToolError(f"stopped: {tool.name} did not answer within its time limit of {tool.time_limit_s:g} s") from None
+    finally:
+        if not task.done():
+            with contextlib.suppress(RuntimeError):     # its loop closed meanwhile: the call ended
+                own.call_soon_threadsafe(task.cancel)

@@ -1,2 +1,2 @@
 """Starting things: a spec submitted as a hetjob (submit.py), and the driver started the one way
-(driver.py: `python -m hpcrl.launch RUN_DIR`), by the batch script, submitit (submitit.py) or locally."""
+(entrypoint.py: `python -m hpcrl.launch RUN_DIR`), by the batch script, submitit (submitit.py) or locally."""

@@ -64,7 +64,8 @@ def _ask_for_satellites(paths: RunDir) -> None:
     try:
         reconcile(paths.root, say)
     except (SlurmCommandError, SubmitError, SpecError) as e:
-        say(f"the satellites of hpcrl scale were not asked for again: {e}")
+        say(f"the satellites of hpcrl scale were not all asked for again (those submitted before it are in "
+            f"{paths.satellites.name} and train): {e}")
 
 
 def write_local_spec(run_dir: str | Path, train: dict | TrainConfig, name: str = "local") -> Path:

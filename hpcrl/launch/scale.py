@@ -90,9 +90,9 @@ def scale(run_dir: str | Path, targets: dict[str, int], *, partition: str | None
     problems = _problems(spec, paths, targets, options, offline)
     if problems:
         raise SpecError(problems, f"hpcrl scale {paths.root}")
-    record = satellite.read_record(paths.root)
-    record["targets"].update({role: {"nodes": n, "options": options} for role, n in targets.items()})
-    satellite.write_record(paths.root, record)
+    with satellite.locked_record(paths.root) as record:
+        record["targets"].update({role: {"nodes": n, "options": options} for role, n in targets.items()})
+        satellite.write_record(paths.root, record)
     return reconcile(paths.root, say)
 
 
@@ -157,37 +157,34 @@ def reconcile(run_dir: str | Path, say: Callable[[str], None] = print) -> dict:
 
     paths = RunDir(Path(run_dir).resolve())
     spec = _spec(paths)
-    record = satellite.read_record(paths.root)
     run_id = _running_start(paths)
     if run_id is None:
         say(f"the run in {paths.root} is not running now; its next start asks for the satellites")
         return {}
     main_job = json.loads(paths.job.read_text())["job_id"]
-    live = satellite.live_states([j["job_id"] for j in record["jobs"]])
-    stale = [j["job_id"] for j in record["jobs"] if j["job_id"] in live and j["run_id"] != run_id]
-    satellite.cancel_jobs(stale)
-    record["jobs"] = [j for j in record["jobs"] if j["job_id"] in live and j["run_id"] == run_id]
-    out = {}
-    for role, target in record["targets"].items():
-        base = _component_nodes(spec, paths, role)
-        mine = [j for j in record["jobs"] if j["members"] == role]
-        submitted, cancelled = [], []
-        for _ in range(target["nodes"] - base - len(mine)):
-            entry = satellite.submit_satellite(satellite_job(spec, role, target["options"]), main_job, run_id)
-            record["jobs"].append(entry)
-            submitted.append(entry["job_id"])
-        extra = len(mine) - (target["nodes"] - base)
-        if extra > 0:
-            # pending ones first (they serve nothing yet), then the newest
-            order = sorted(mine, key=lambda j: (live.get(j["job_id"]) == "PENDING", j["submitted_at"]), reverse=True)
-            cancelled = [j["job_id"] for j in order[:extra]]
-            satellite.cancel_jobs(cancelled)
-            record["jobs"] = [j for j in record["jobs"] if j["job_id"] not in cancelled]
-        out[role] = {"target": target["nodes"], "component_nodes": base, "submitted": submitted, "cancelled": cancelled,
-                     "satellites": [j["job_id"] for j in record["jobs"] if j["members"] == role]}
-        if submitted or cancelled:
-            say(f"role {role}: {target['nodes']} node(s) = {base} of its component + {len(out[role]['satellites'])} "
-                f"satellite(s)" + (f"; submitted {' '.join(submitted)}" if submitted else "")
-                + (f"; cancelled {' '.join(cancelled)}" if cancelled else ""))
-    satellite.write_record(paths.root, record)
+    with satellite.locked_record(paths.root) as record:     # until written back: another scale or start waits
+        live = satellite.live_states([j["job_id"] for j in record["jobs"]])
+        stale = [j["job_id"] for j in record["jobs"] if j["job_id"] in live and j["run_id"] != run_id]
+        satellite.cancel_jobs(stale)
+        record["jobs"] = [j for j in record["jobs"] if j["job_id"] in live and j["run_id"] == run_id]
+        out = {}
+        for role, target in record["targets"].items():
+            base = _component_nodes(spec, paths, role)
+            mine = [j for j in record["jobs"] if j["members"] == role]
+            jobs = [satellite_job(spec, role, target["options"]) for _ in range(target["nodes"] - base - len(mine))]
+            submitted, cancelled = satellite.submit_recorded(paths.root, record, jobs, main_job, run_id), []
+            extra = len(mine) - (target["nodes"] - base)
+            if extra > 0:
+                # pending ones first (they serve nothing yet), then the newest
+                order = sorted(mine, key=lambda j: (live.get(j["job_id"]) == "PENDING", j["submitted_at"]), reverse=True)
+                cancelled = [j["job_id"] for j in order[:extra]]
+                satellite.cancel_jobs(cancelled)
+                record["jobs"] = [j for j in record["jobs"] if j["job_id"] not in cancelled]
+            out[role] = {"target": target["nodes"], "component_nodes": base, "submitted": submitted,
+                         "cancelled": cancelled, "satellites": [j["job_id"] for j in record["jobs"] if j["members"] == role]}
+            if submitted or cancelled:
+                say(f"role {role}: {target['nodes']} node(s) = {base} of its component + {len(out[role]['satellites'])} "
+                    f"satellite(s)" + (f"; submitted {' '.join(submitted)}" if submitted else "")
+                    + (f"; cancelled {' '.join(cancelled)}" if cancelled else ""))
+        satellite.write_record(paths.root, record)
     return out

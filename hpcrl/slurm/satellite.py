@@ -10,16 +10,22 @@ RUN_DIR/satellites.json records what was asked for and what was submitted:
     {"targets": {"reward": {"nodes": 3, "options": {"partition": "cpu", "time": "00:30:00"}}},
      "jobs": [{"job_id": "41", "members": "reward", "run_id": "5c1d...", "submitted_at": 1796...}, ...]}
 
+`hpcrl scale` and each start of the driver change it, each under an exclusive lock (`locked_record`),
+and a satellite is in it as soon as its sbatch returns (`submit_recorded`).
+
 Each end of the main job's batch script cancels the run's satellites (`end`): they end with every
 start of the job, and the next start asks for them again. Knows nothing about RL: members are labels.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from hpcrl._version import __version__
 from hpcrl.files import atomic_write_text
@@ -39,6 +45,17 @@ def read_record(run_dir: str | Path) -> dict:
 
 def write_record(run_dir: str | Path, record: dict) -> None:
     atomic_write_text(RunDir(run_dir).satellites, json.dumps(record, indent=1))
+
+
+@contextmanager
+def locked_record(run_dir: str | Path) -> Iterator[dict]:
+    """The record, read under an exclusive lock that holds until the block ends (flock on
+    satellites.json.lock beside it): whoever changes the record writes it back (write_record) inside
+    the block, so that `hpcrl scale` and a driver's start at once never lose each other's change."""
+    path = RunDir(run_dir).satellites
+    with open(path.with_name(f"{path.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)      # released as the file closes (or its process ends)
+        yield read_record(run_dir)
 
 
 def render_satellite(job: HetJob, main_job: str, run_id: str) -> str:
@@ -64,6 +81,19 @@ def submit_satellite(job: HetJob, main_job: str, run_id: str) -> dict:
     atomic_write_text(path, render_satellite(job, main_job, run_id))
     job_id = slurm_cmd("sbatch", "--parsable", str(path), env=outside_any_job()).strip().split(";")[0]
     return {"job_id": job_id, "members": members, "run_id": run_id, "submitted_at": round(time.time(), 3)}
+
+
+def submit_recorded(run_dir: str | Path, record: dict, jobs: list[HetJob], main_job: str, run_id: str) -> list[str]:
+    """Submit each satellite of `jobs`, each put in `record` and written to disk as soon as its sbatch
+    returns: an sbatch that fails midway leaves every satellite submitted before it recorded, so the
+    job's end cancels it. Call it inside locked_record. Returns the job ids."""
+    ids = []
+    for job in jobs:
+        entry = submit_satellite(job, main_job, run_id)
+        record["jobs"].append(entry)
+        write_record(run_dir, record)
+        ids.append(entry["job_id"])
+    return ids
 
 
 def outside_any_job() -> dict[str, str]:
