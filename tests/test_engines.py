@@ -50,6 +50,27 @@ def test_static_cache_sampler_log_probs_equal_a_full_forward():
     torch.testing.assert_close(out2["rollout_log_probs"], logp2 * out2["response_mask"], atol=2e-5, rtol=1e-5)
 
 
+
+def test_a_static_cache_engine_that_releases_its_memory_samples_as_one_that_keeps_it():
+    """rollout.release_memory: after sleep() the weights, cache and graphs are gone; the next generate
+    takes the trainer's weights again (here: the model's state dict) and draws what the kept engine draws."""
+    torch.manual_seed(0)
+    cfg = qwen2()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    kept = StaticCacheRollout(cfg, pad_id=0, eos_ids=[2], device="cpu", check_every=4)
+    kept.load_weights(model.state_dict())
+    released = StaticCacheRollout(cfg, pad_id=0, eos_ids=[2], device="cpu", check_every=4, reload=model.state_dict)
+    released.load_weights(model.state_dict())
+    ids = torch.randint(3, cfg.vocab_size, (5, 7))
+    mask = torch.ones_like(ids)
+    params = SamplingParams(max_new_tokens=9, temperature=0.7)
+    for seed in (3, 4):
+        want = kept.generate(ids, mask, params, seed)
+        got = released.generate(ids, mask, params, seed)
+        released.sleep()
+        assert released.w is None and not released.decoders
+        assert all(torch.equal(want[k], got[k]) for k in want), seed
+
 def test_sample_token_draws_from_the_filtered_distribution():
     """The exponential race (argmax p/E) against the distribution itself, computed in numpy:
     frequencies of 200,000 draws from 6 tokens at temperature 0.8, with and without top-k, and each

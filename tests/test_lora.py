@@ -85,6 +85,32 @@ def test_sampling_through_the_adapted_module_samples_the_merged_model(inputs):
     assert (adapted["rollout_log_probs"] - base["rollout_log_probs"]).abs().max() > 1e-3
 
 
+
+def test_the_reference_is_the_actors_base_with_its_adapters_off(inputs):
+    """With LoRA and a KL term there is no ref role: the actor's compute_log_prob gives log π_ref too,
+    its module with the adapters switched off, which is what a separate reference of the base
+    computes (bitwise on CPU); the adapters are on again after it."""
+    from hpcrl.ppo.roles import Reference
+
+    model_dir, prompts = inputs
+    cfg = CFG.updated(algorithm={"kl_coef": 0.01})
+    assert cfg.reference_in_actor and "ref" not in cfg.roles() and "ref" in CFG.updated(lora={"rank": 0}, algorithm={
+        "kl_coef": 0.01}).roles()
+    actor = local_worker(ActorRollout, str(model_dir), cfg, role="actor_rollout")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in actor.engine.module.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    batch = PromptDataset(prompts, TOK, 8, 1).next_batch()
+    batch.meta["step"] = 1
+    batch = actor.generate_sequences(batch)
+    scored = actor.compute_log_prob(batch)
+    want = local_worker(Reference, str(model_dir), cfg, role="ref").compute_ref_log_prob(batch)["ref_log_probs"]
+    assert torch.equal(scored["ref_log_probs"], want)
+    assert (scored["old_log_probs"] - want).abs().max() > 1e-3      # the adapted policy differs from the base
+    assert torch.equal(actor.compute_log_prob(batch)["old_log_probs"], scored["old_log_probs"])
+
 def grpo_batch(actor, reward, prompts, step):
     """One GRPO step's batch: N responses per prompt, scored by the copy task's rule."""
     data = PromptDataset(prompts, TOK, CFG.data.batch_size, CFG.seed + step)

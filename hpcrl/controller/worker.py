@@ -7,6 +7,7 @@ it starts the process group (gloo on CPU, nccl on GPU), builds one Worker per ro
 """
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -61,7 +62,12 @@ class Worker:
 class RoleLog(io.TextIOBase):
     """Replaces sys.stdout/sys.stderr in a worker: every line goes, prefixed with role and rank, to
     logs/<role>/rank<k>.log of the role whose code is running, and to the original stream (which
-    Ray forwards to the driver's console)."""
+    Ray forwards to the driver's console). A line longer than LINE_LIMIT characters (a progress bar
+    redrawn in place, a dump on one line) goes out in pieces of that length, each marked as cut, the
+    rest in the next line: an unfinished line never holds more than that in memory while it waits for
+    a newline that may never come, and a long line reads alike however it was written."""
+    LINE_LIMIT = 64 << 10
+    CUT = " [cut: no newline in {} characters]"
 
     def __init__(self, host: WorkerHost, echo):
         self.host, self.echo, self.pending = host, echo, ""
@@ -70,11 +76,19 @@ class RoleLog(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        self.pending += text
-        *lines, self.pending = self.pending.split("\n")
+        *lines, pending = (self.pending + text).split("\n")
         for line in lines:
-            self.host.log_line(line, self.echo)
+            self.host.log_line(self._cut(line), self.echo)
+        self.pending = self._cut(pending)
         return len(text)
+
+    def _cut(self, line: str) -> str:
+        """What is left of line once its first LINE_LIMIT characters have gone out, marked as cut, for
+        as long as more than that is left."""
+        while len(line) > self.LINE_LIMIT:
+            self.host.log_line(line[:self.LINE_LIMIT] + self.CUT.format(self.LINE_LIMIT), self.echo)
+            line = line[self.LINE_LIMIT:]
+        return line
 
     def flush(self) -> None:
         self.echo.flush()
@@ -175,6 +189,8 @@ class WorkerHost:
 
     def execute(self, role: str, method: str, /, *args, **kwargs):
         self.current, start = role, time.time()
+        if torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
         try:
             return getattr(self.workers[role], method)(*args, **kwargs)
         except Exception as e:
@@ -188,10 +204,43 @@ class WorkerHost:
             if role in self.calls:   # when each call ran, for the report's lanes and for overlap tests
                 step = next((a.meta.get("step") for a in args if hasattr(a, "meta")), None)
                 self.calls[role].write(json.dumps({"method": method, "step": step, "start": round(start, 4),
-                                                   "end": round(time.time(), 4)}) + "\n")
+                                                   "end": round(time.time(), 4), **gpu_memory()}) + "\n")
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def gpu_memory() -> dict:
+    """This process's GPU memory during the call just made, GiB: torch's peak reserved and allocated
+    memory, and what NVML counts for the process (nvidia-smi's figure: the CUDA context too; None
+    where NVML does not see the process); nothing where the process never touched CUDA."""
+    if not torch.cuda.is_initialized():
+        return {}
+    gib = 2**30
+    return {"gpu_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 3),
+            "gpu_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 3), "gpu_process_gib": _nvml_process()}
+
+
+def _nvml_process() -> float | None:
+    try:
+        import pynvml
+
+        used = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(_nvml_device())
+                if p.pid == os.getpid()]
+        return round(used[0] / 2**30, 3) if used and used[0] is not None else None
+    except Exception:        # no NVML, another pid namespace, a driver that does not say
+        return None
+
+
+@functools.cache
+def _nvml_device():
+    """NVML's handle of this process's GPU (by UUID: NVML numbers every GPU, CUDA the visible ones)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    return next(h for h in map(pynvml.nvmlDeviceGetHandleByIndex, range(pynvml.nvmlDeviceGetCount()))
+                if uuid in str(pynvml.nvmlDeviceGetUUID(h)))
 
 
 def local_worker(cls: type, *args, role: str = "local", **kwargs) -> Worker:

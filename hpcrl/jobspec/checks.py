@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from hpcrl.slurm.cluster_info import ClusterInfo
     from hpcrl.slurm.job import HetJob
 
-_RESOURCE_FIELDS = ("partition", "nodes", "gpus_per_node", "gpu_type", "gres", "cpus_per_task", "mem",
+_RESOURCE_FIELDS = ("partition", "nodes", "gpus_per_node", "gpu_type", "gres", "gpu_mem", "cpus_per_task", "mem",
                     "time", "account", "qos", "constraint", "exclusive", "sbatch_extra", "container")
 
 
@@ -198,7 +198,7 @@ def train_problems(spec: JobSpec) -> list[str]:
                             f"but role {generator} has {gpus} GPUs per node ({places[generator].field}); it must "
                             "divide them")
     for k, group in enumerate(cfg.layout.colocate):
-        unknown = [r for r in group if r not in [*runs, *own]]
+        unknown = [r for r in group if r not in [*runs, *own] and r not in places]   # placed, not run: left out
         if unknown:
             problems.append(f"train.layout.colocate[{k}]: {unknown} not among the roles this training runs "
                             f"{[*runs, *own]}")
@@ -207,6 +207,7 @@ def train_problems(spec: JobSpec) -> list[str]:
                             f"need the same nodes (same_nodes_as: {group[0]})")
     problems += [f"train.layout.processes_per_node.{r}: not a role of this spec" for r in cfg.layout.processes_per_node
                  if r not in places]
+    problems += gpu_sharing_problems(spec, places)
     if cfg.engine.backend == "megatron":
         for r in ("actor_rollout", "critic", "ref"):
             if r not in runs or r not in places:
@@ -219,6 +220,30 @@ def train_problems(spec: JobSpec) -> list[str]:
                 problems.append(f"train.engine.tensor_parallel: {cfg.engine.tensor_parallel} × pipeline_parallel "
                                 f"{cfg.engine.pipeline_parallel} = {cfg.engine.model_parallel} GPUs per model does "
                                 f"not divide the {place.gpus} GPUs of role {r} ({place.field})")
+    return problems
+
+
+def gpu_roles(cfg: TrainConfig) -> list[str]:
+    """The built-in roles this training runs whose processes each hold a GPU on a GPU node (a rule
+    reward and the environments run beside them on the CPU; your own roles are not known here)."""
+    return [r for r in cfg.roles() if r in ("actor_rollout", "rollout", "critic", "ref") or
+            (r == "reward" and cfg.reward.model_dir)]
+
+
+def gpu_sharing_problems(spec: JobSpec, places: dict[str, RolePlace]) -> list[str]:
+    """A GPU node runs one process per GPU for each group of colocated roles: roles of one component
+    that are not colocated would each need all of its GPUs, and the second could never be placed."""
+    cfg, problems = spec.train, []
+    for members in spec.component_roles():
+        if not places[members[0]].gpus:
+            continue
+        on_gpus = [r for r in members if r in gpu_roles(cfg)]
+        groups = [g for g in cfg.layout.colocate if set(g) & set(on_gpus)]
+        apart = [r for r in on_gpus if not any(r in g for g in groups)]
+        if len(groups) + len(apart) > 1:
+            problems.append(f"roles.{members[0]}: roles {on_gpus} share this component's GPUs, but each process "
+                            "holds a GPU of its own and they are not colocated; put them in one process per GPU "
+                            f"(train.layout.colocate: [{on_gpus}]) or give each a component of its own")
     return problems
 
 
@@ -307,13 +332,78 @@ def environment_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
+def memory_plan(spec: JobSpec, shape: str | None = None):
+    """The spec's memory plan (hpcrl/jobspec/memory.py), or None where no component has GPUs or
+    nothing trains; `shape`: a named shape (hpcrl.models.size.NAMED_SHAPES) or model folder to plan
+    instead of train.model.path. A model whose config cannot be read here gives a plan of no GPUs
+    and a note saying so."""
+    from hpcrl.jobspec.gpus import gpu_memory
+    from hpcrl.jobspec.memory import CONSTANTS, Gpus, MemoryPlan, plan_memory
+    from hpcrl.models.size import ModelSize, model_fields, tiny_qwen2_fields
+    from hpcrl.slurm.job import parse_mem_mb
+
+    cfg = spec.train
+    components = []
+    for members in spec.component_roles():
+        owner = spec.roles[members[0]]
+        gres = owner.gres_spec()
+        per_node = gres.count if gres and gres.name == "gpu" else 0
+        memory, source = ((parse_mem_mb(owner.gpu_mem) * 2**20, f"gpu_mem {owner.gpu_mem}") if owner.gpu_mem
+                          else gpu_memory(gres.type if gres else None))
+        components.append(Gpus(f"roles.{members[0]}", tuple(members), owner.nodes, per_node, memory, source))
+    if cfg is None or not any(c.per_node for c in components):
+        return None
+    source = shape or cfg.model.path
+    try:
+        if source:
+            fields = model_fields(source)
+        else:
+            from hpcrl.models.tokenizer import CharTokenizer
+            from hpcrl.ppo.tasks import copy_digits, tool_sums
+
+            alphabet = {"copy_digits": copy_digits, "tool_sums": tool_sums}[cfg.data.task].ALPHABET
+            fields = tiny_qwen2_fields(CharTokenizer(alphabet).vocab_size, cfg.model.hidden_size, cfg.model.layers,
+                                       cfg.model.heads)
+    except ValueError as e:
+        return MemoryPlan(cfg, components, None, CONSTANTS, [], [f"GPU memory not planned: train.model.path {e}; plan a shape of the same size with "
+                                "`hpcrl plan SPEC --shape NAME`"])
+    return plan_memory(cfg, components, ModelSize.of(fields))
+
+
+def memory_problems(spec: JobSpec, shape: str | None = None) -> list[str]:
+    """A problem per component whose GPUs the memory plan says will not hold what the spec puts on
+    them, each with the changes that would make it fit and the peak each would give."""
+    from hpcrl.jobspec.memory import fixes
+
+    plan = memory_plan(spec, shape)
+    if plan is None or plan.fits:
+        return []
+    gib = 2**30
+    problems = []
+    for gpu in plan.gpus:
+        if gpu.fits is not False:
+            continue
+        held = "; ".join(f"{'+'.join(p.roles)} {p.peak / gib:.1f} GiB in {p.peak_phase} ("
+                         + ", ".join(f"{k} {v / gib:.1f}" for k, v in p.by_kind().items() if v >= gib / 20) + ")"
+                         for p in gpu.processes)
+        found = fixes(plan, gpu)
+        would = "; ".join(f"{' '.join(f.overrides)} → {f.peak / gib:.1f} GiB" for f in found if f.fits)
+        lower = "; ".join(f"{' '.join(f.overrides)} → {f.peak / gib:.1f} GiB" for f in found if not f.fits)
+        problems.append(f"{gpu.gpus.field}: does not fit its GPUs: {gpu.peak / gib:.1f} GiB planned on each, "
+                        f"{gpu.usable / gib:.1f} GiB usable ({gpu.gpus.source}): {held}. "
+                        + (f"Would fit: {would}" if would else "Nothing tried fits alone")
+                        + (f". Lower, not enough: {lower}" if lower else "")
+                        + " (hpcrl plan SPEC shows the whole plan)")
+    return problems
+
+
 def problems_before_submit(spec: JobSpec, job: HetJob, cluster: ClusterInfo | None) -> list[str]:
     """What keeps the job from its script (hpcrl.slurm.directives), the interpreter's problems and,
     given the live cluster (None: offline), the cluster's and its storage's; the spec's own problems
     were found when it was loaded."""
     from hpcrl.slurm.directives import problems as unsafe_values
 
-    found = unsafe_values(job, str(job.run_dir)) + environment_problems(spec)
+    found = unsafe_values(job, str(job.run_dir)) + environment_problems(spec) + memory_problems(spec)
     if cluster is None:
         return found
     missing = spec.train.missing_paths() if spec.train else []

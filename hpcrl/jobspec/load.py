@@ -62,8 +62,22 @@ def configure(spec: JobSpec, run_dir: str | Path | None = None,
         raise SpecError(problems, spec.source)
     spec.run_dir = spec.run_dir.expanduser().resolve()
     spec.train = spec.train.with_paths_from(Path.cwd()) if spec.train else None
-    spec._notes = [*spec._notes, *notes]
+    spec._notes = [*spec._notes, *notes, *idle_roles(spec)]
     return spec
+
+
+def idle_roles(spec: JobSpec) -> list[str]:
+    """Built-in roles the spec places that its training does not run (their nodes would wait idle)."""
+    from hpcrl.ppo.roles.custom import BUILTIN_ROLES
+
+    if spec.train is None:
+        return []
+    runs = spec.train.roles()
+    why = {"ref": " (with LoRA the reference is the actor's own base, its adapters off)" if spec.train.reference_in_actor
+           else " (no KL term: algorithm.kl_coef is 0, or neither kl_in_reward nor kl_loss)",
+           "critic": f" (advantage {spec.train.algorithm.advantage} needs no critic)"}
+    return [f"roles.{r}: placed, but this training runs no {r}{why.get(r, '')}; its processes would not start"
+            for r, role in spec.roles.items() if r in BUILTIN_ROLES and r not in runs and not role.worker]
 
 
 def load_spec(path: str | Path, run_dir: str | Path | None = None,

@@ -113,6 +113,10 @@ class RoleSpec(BaseModel):
     """GPU type as the cluster's GRES names it (`a100`, `h100`); None takes any."""
     gres: str | None = None
     """A raw GRES per node instead of gpus_per_node/gpu_type, e.g. `gpu:a100:4`."""
+    gpu_mem: str | None = None
+    """Memory of each of the component's GPUs in Slurm's syntax (`80G`), for the memory plan where
+    the GPU type does not say it or says it wrongly (hpcrl/jobspec/gpus.py lists the types it knows);
+    None: from gpu_type."""
     cpus_per_task: int = Field(1, ge=1)
     """CPUs of the one task per node (the node's Ray worker and everything it runs)."""
     mem: str | None = None
@@ -133,12 +137,13 @@ class RoleSpec(BaseModel):
     container: ContainerSpec | Literal["host"] | None = None
     """This component's image instead of the job's `container:`; `host`: no image for it."""
 
-    @field_validator("time", "mem", "gres")
+    @field_validator("time", "mem", "gres", "gpu_mem")
     @classmethod
     def _slurm_syntax(cls, v, info):
         """The value parses as Slurm reads it (the parser's error names the syntax)."""
         if v is not None:
-            {"time": parse_time_minutes, "mem": parse_mem_mb, "gres": Gres.parse}[info.field_name](v)
+            {"time": parse_time_minutes, "mem": parse_mem_mb, "gpu_mem": parse_mem_mb,
+             "gres": Gres.parse}[info.field_name](v)
         return v
 
     def gres_spec(self) -> Gres | None:

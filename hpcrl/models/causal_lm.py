@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import torch
 
 from hpcrl.files import cache_dir
 from hpcrl.models.packing import PACKED, Packed, to_rows
+from hpcrl.models.size import tiny_qwen2_fields
 from hpcrl.models.tokenizer import CharTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,17 +25,17 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")      # no load reports 
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
-def tiny_qwen2_config(vocab_size: int, hidden_size: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
-                      intermediate_size: int = 256, max_positions: int = 128):
-    """Qwen2-shaped; head_dim = hidden_size / heads must be ≥ 32 (vLLM's CPU attention needs it)."""
+def tiny_qwen2_config(vocab_size: int, **sizes):
+    """Qwen2-shaped, of the sizes hpcrl.models.size.tiny_qwen2_fields takes; head_dim = hidden_size /
+    heads must be ≥ 32 (vLLM's CPU attention needs it)."""
     from transformers import Qwen2Config
 
-    if hidden_size // heads < 32:
-        raise ValueError(f"head_dim {hidden_size // heads} < 32: raise hidden_size or lower heads")
-    return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate_size,
-                       max_position_embeddings=max_positions, tie_word_embeddings=False,
-                       bos_token_id=CharTokenizer.bos_id, eos_token_id=CharTokenizer.eos_id,
+    fields = tiny_qwen2_fields(vocab_size, **sizes)
+    if fields["hidden_size"] // fields["num_attention_heads"] < 32:
+        raise ValueError(f"head_dim {fields['hidden_size'] // fields['num_attention_heads']} < 32: raise hidden_size "
+                         "or lower heads")
+    del fields["model_type"]
+    return Qwen2Config(**fields, bos_token_id=CharTokenizer.bos_id, eos_token_id=CharTokenizer.eos_id,
                        pad_token_id=CharTokenizer.pad_id)
 
 
@@ -85,10 +87,20 @@ def _cached_tiny_model(tokenizer: CharTokenizer, seed: int, config: dict) -> Pat
     return cached if (cached / "config.json").exists() else None
 
 
-def load_causal_lm(path: Path, dtype=torch.float32):
+def load_causal_lm(path: Path, dtype=torch.float32, device: torch.device | str | None = None):
+    """The causal LM in `path`, in `dtype`; straight onto a GPU `device` where it can be (straight_to)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **straight_to(device))
+
+
+def straight_to(device: torch.device | str | None) -> dict:
+    """from_pretrained's keywords that load a model straight onto a GPU `device` (a 7B model never
+    whole in host memory): transformers does it through accelerate, where that is installed; without
+    it (or on the host) the model loads on the host, and the engine moves it."""
+    if device is None or torch.device(device).type == "cpu" or importlib.util.find_spec("accelerate") is None:
+        return {}
+    return {"device_map": device}
 
 
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -5,21 +5,23 @@ from pathlib import Path
 
 import torch
 
-from hpcrl.models.causal_lm import position_ids
+from hpcrl.models.causal_lm import position_ids, straight_to
 from hpcrl.models.packing import PACKED, Packed
 
 
 class ValueModel(torch.nn.Module):
     """V(prefix) for every position. Backbone and head from a causal LM directory (the actor's: a
     fresh head), from a sequence-scoring reward model directory (its score head as the start), or
-    from a value model `hpcrl export --role critic` wrote (a token classifier: its head as it is)."""
+    from a value model `hpcrl export --role critic` wrote (a token classifier: its head as it is).
+    On a GPU `device` the backbone is loaded straight onto it, as load_causal_lm does."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, device: torch.device | str | None = None):
         super().__init__()
         from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
         cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        self.backbone = AutoModel.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+        self.backbone = AutoModel.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
+                                                  **straight_to(device))
         self.head = torch.nn.Linear(cfg.hidden_size, 1)
         architectures = cfg.architectures or []
         if any("ForTokenClassification" in a for a in architectures):
@@ -37,6 +39,7 @@ class ValueModel(torch.nn.Module):
         else:
             torch.nn.init.normal_(self.head.weight, std=1.0 / (cfg.hidden_size + 1) ** 0.5)
             torch.nn.init.zeros_(self.head.bias)
+        self.head.to(self.backbone.device)     # made on the host: the same draws wherever the backbone is
 
     def forward(self, input_ids, attention_mask, packed: bool = False):
         """(B, L) values; `packed`: computed on the rows packed into one (hpcrl.models.packing), 0 at padding."""

@@ -3,7 +3,8 @@
     driver     logs/slurm-<job>.out: the batch script's [hpcrl] lines and the driver's dated lines
                (one file per start of the job: a requeued job writes a new one)
     <role>     logs/<role>/rank<k>.log: every line dated, with [role rankK]; beside it
-               rank<k>.calls.jsonl, each call the rank ran (method, step, start, end): read_calls
+               rank<k>.calls.jsonl, each call the rank ran (method, step, start, end; on a GPU its peak
+               memory: gpu_reserved_gib, gpu_allocated_gib, gpu_process_gib): read_calls
     ray        logs/ray/<node>.log: each node's `ray start`
 
 Merging uses the date that starts a line; a line without one (a traceback, a script line) keeps

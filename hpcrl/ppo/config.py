@@ -209,6 +209,13 @@ class RolloutSettings(Settings):
     max_staleness: PositiveInt = 1
     """one_step_off: batches generated ahead of the step being trained, so a batch trains with
     weights this many updates newer than the ones that sampled it"""
+    release_memory: bool = False
+    """a rollout engine in a trainer's process (actor_rollout, own_role false) gives its GPU memory
+    back after each generation (its copy of the weights, its KV cache, CUDA graphs), so that scoring
+    and the updates have it, and takes the trainer's weights again at the next generation: the
+    static-cache engine then captures its graphs again (part of a second at 7B). vLLM there always
+    sleeps after generating.
+    `hpcrl plan` says when a spec needs it"""
 
     @model_validator(mode="after")
     def _combinations(self):
@@ -237,12 +244,30 @@ class EngineSettings(Settings):
     activations: fewer, larger kernels; the first steps pay the compilation, tens of seconds per
     role, once per kind of call: with or without gradients or padding). false: eager, e.g. for a
     model Inductor cannot compile"""
+    activation_checkpointing: bool = False
+    """keep only each decoder layer's input from the forward and compute the rest of its activations
+    again in the backward (per layer: torch's non-reentrant checkpoint, megatron's full recompute):
+    an update's activations shrink to about one layer's worth, for about a third more update time.
+    `hpcrl plan` says when a spec needs it"""
+    offload: Literal["none", "optimizer"] = "none"
+    """"optimizer": the training roles' AdamW moments (8 bytes a trained parameter) live in pinned host
+    memory; each optimizer step streams them through the GPU in chunks, the next chunk's copy
+    overlapped with this chunk's update (the same arithmetic as the optimizer on the GPU). For a
+    model whose optimizer does not fit beside its weights and gradients (7B full fine-tuning on one
+    80 GB GPU); torch engine, one GPU per process group (not with FSDP2)"""
 
     @model_validator(mode="after")
     def _megatron_only(self):
         for name in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, name) > 1 and self.backend != "megatron":
                 raise ValueError(f"{name}: {getattr(self, name)} needs backend: megatron (or {name}: 1)")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_torch_only(self):
+        if self.offload != "none" and self.backend != "torch":
+            raise ValueError(f"offload: {self.offload} needs backend: torch (megatron's distributed optimizer shards "
+                             "its state instead); set offload: none")
         return self
 
     @property
@@ -587,10 +612,17 @@ class TrainConfig(Settings):
         return [(section, name, value) for section, name in self.PATHS
                 if (value := getattr(getattr(self, section), name)) and not (name == "critic_init" and value == "actor")]
 
+    @property
+    def reference_in_actor(self) -> bool:
+        """The reference log-probs come from the actor's own frozen base with its LoRA adapters switched
+        off (no second copy of the model, no `ref` role), as they must whenever the actor trains adapters."""
+        return self.algorithm.uses_ref and self.lora.rank > 0
+
     def roles(self) -> list[str]:
         """The roles this configuration runs; the job spec must give each one resources."""
         return ["actor_rollout"] + (["rollout"] if self.rollout.own_role else []) + \
-            (["critic"] if self.algorithm.uses_critic else []) + (["ref"] if self.algorithm.uses_ref else []) + ["reward"] + \
+            (["critic"] if self.algorithm.uses_critic else []) + \
+            (["ref"] if self.algorithm.uses_ref and not self.reference_in_actor else []) + ["reward"] + \
             (["env"] if self.environment.cls else [])
 
     def reward_function(self) -> str:

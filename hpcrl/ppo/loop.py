@@ -114,9 +114,11 @@ def build_worker_groups(cfg: TrainConfig, model_dir: Path, run_dir: Path,
         return {role: WorkerGroup(pool, cls, args, kwargs, **opts)}
 
     # every group at once: each start (process, torch import, model load) takes seconds, and the
-    # groups are on different nodes
-    together = {r for group in cfg.layout.colocate for r in group}
-    starts = [lambda g=g: colocated(g) for g in cfg.layout.colocate] + [lambda r=r: alone(r) for r in workers if r not in together]
+    # groups are on different nodes. A colocated role this training does not run is left out
+    # (the reference of a LoRA run: the actor's base)
+    groups_run = [g for g in ([r for r in group if r in workers] for group in cfg.layout.colocate) if len(g) > 1]
+    together = {r for group in groups_run for r in group}
+    starts = [lambda g=g: colocated(g) for g in groups_run] + [lambda r=r: alone(r) for r in workers if r not in together]
     groups: dict[str, WorkerGroup] = {}
     with ThreadPoolExecutor(len(starts), thread_name_prefix="hpcrl-start") as threads:
         for built in [threads.submit(start) for start in starts]:

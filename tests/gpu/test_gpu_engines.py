@@ -2,6 +2,7 @@
 
     python -m pytest tests/gpu -q
 """
+import gc
 import itertools
 
 import pytest
@@ -197,3 +198,193 @@ def test_fsdp2_step_equals_one_gpu(model_dir, batch, tmp_path):
     assert float((logp1 - one["logp1"])[m].norm()) < 0.25 * float(moved.norm())
     assert two[0]["stats"][0]["grad_norm"] == pytest.approx(one["stats"][0]["grad_norm"], rel=2e-2)
     assert two[0]["weights1"].keys() == one["weights1"].keys()     # gathered whole from the shards
+
+
+def fresh_steps(model_dir, batch, checkpointing=False, offload="none", compile=True) -> dict:
+    """Two steps of a fresh bf16 actor engine on the GPU (one micro-batch of the 8 samples): the first
+    step's gradients, and the second step's peak memory above what was allocated before it ("step")
+    and before the engine was made ("engine"). The engine is collected before it returns."""
+    from gpu_probe import pg_loss
+
+    from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer
+    from hpcrl.models import load_causal_lm, log_probs_head
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    engine = TorchTrainer(load_causal_lm(model_dir, device="cuda"), OptimConfig(lr=1e-4, micro_batch_size=8, grad_clip=1e9),
+                          log_probs_head(1.0, True, compile), "cuda", "bf16", compile, checkpointing=checkpointing,
+                          offload=offload)
+    params, grads, optimizer_step = list(engine.module.parameters()), [], engine.optimizer_step
+
+    def step():      # the gradients the optimizer steps on, then its step
+        grads.append([p.grad.detach().clone() for p in params])
+        optimizer_step()
+    engine.optimizer_step = step
+    engine.train_step(batch, pg_loss)
+    engine.optimizer_step = optimizer_step
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    engine.train_step(batch, pg_loss)
+    peak = torch.cuda.max_memory_allocated()
+    out = {"grads": grads[0], "step": peak - held, "engine": peak - before, "params": sum(p.numel() for p in params)}
+    del engine, params, optimizer_step
+    gc.collect()        # the optimizer's hooks (offload) make cycles
+    torch.cuda.empty_cache()
+    return out
+
+
+def test_checkpointed_compiled_layers_give_the_plain_gradients_in_less_memory(model_dir, batch):
+    """Each compiled decoder layer inside transformers' non-reentrant checkpoint (and autocast without
+    its cache): no graph break, the first step's gradients are the plain compiled step's within bf16
+    noise, and the second step's peak memory above what the engine holds between steps is lower."""
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for checkpointing in (False, True):
+        counters.clear()
+        runs[checkpointing] = fresh_steps(model_dir, batch, checkpointing)
+        assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] > 0, (checkpointing, counters)
+    for got, want in zip(runs[True]["grads"], runs[False]["grads"], strict=True):
+        assert rel(got, want) < 2e-2
+    assert runs[True]["step"] < 0.8 * runs[False]["step"], (runs[True]["step"], runs[False]["step"])
+
+
+def test_streamed_adamw_on_the_gpu_equals_the_resident_fused_one_bitwise():
+    """HostOptimizerState over fused AdamW, in chunks of 1 MiB of parameters (one parameter larger
+    than a chunk), against the same optimizer resident: equal parameters and moments bit for bit over
+    three steps of changing learning rate, the moments in pinned host memory between steps; then a
+    fresh one loads the streamed one's state (the moments never all on the GPU) and both go on alike."""
+    import copy
+
+    from hpcrl.engines.train.offload import HostOptimizerState
+
+    g = torch.Generator().manual_seed(9)
+    shapes = [(512, 1024), (3000,), (1024, 700), (64, 64), (2048, 512), (7,)]
+    start = [torch.randn(s, generator=g) for s in shapes]
+
+    def adamw(values):
+        params = [torch.nn.Parameter(v.cuda()) for v in values]
+        return params, torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+
+    def step(runs, lr):
+        grads = [torch.randn(s, generator=g).cuda() for s in shapes]
+        for params, optimizer, stepper in runs:
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            optimizer.param_groups[0]["lr"] = lr
+            stepper()
+
+    def moments(optimizer):
+        return [[s[k].cpu() for k in ("exp_avg", "exp_avg_sq", "step")] for s in optimizer.state.values()]
+
+    def equal(runs):
+        (params, optimizer, _), *others = runs
+        for p_other, o_other, _ in others:
+            assert all(torch.equal(a, b) for a, b in zip(params, p_other))
+            assert all(torch.equal(a, b) for x, y in zip(moments(optimizer), moments(o_other)) for a, b in zip(x, y))
+            assert all(o_other.state[p]["exp_avg"].is_pinned() and o_other.state[p]["exp_avg_sq"].device.type == "cpu"
+                       for p in p_other)
+
+    resident = adamw(start)
+    params, optimizer = adamw(start)
+    streamed = HostOptimizerState(optimizer, chunk_bytes=2**20)
+    assert len(streamed.chunks) >= 4
+    runs = [(*resident, resident[1].step), (params, optimizer, streamed.step)]
+    for lr in (1e-3, 5e-3, 1e-2):
+        step(runs, lr)
+        torch.cuda.synchronize()
+        equal(runs)
+    state = copy.deepcopy(optimizer.state_dict())
+    fresh_params, fresh = adamw([p.detach().cpu() for p in params])
+    fresh_streamed = HostOptimizerState(fresh, chunk_bytes=2**20)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fresh.load_state_dict(state)
+    assert torch.cuda.max_memory_allocated() - held < 2**20      # no moment came to the GPU
+    runs.append((fresh_params, fresh, fresh_streamed.step))
+    for lr in (1e-2, 1e-2):
+        step(runs, lr)
+        torch.cuda.synchronize()
+        equal(runs)
+
+
+def test_an_offloaded_step_needs_less_memory_by_the_moments(model_dir, batch, monkeypatch):
+    """The second step's peak GPU memory of a resident and of an offloaded engine (chunks of 1 MiB of
+    parameters), each above what was allocated before the engine was made: the offloaded one's is
+    lower by most of the moments' 8 bytes a parameter."""
+    from hpcrl.engines.train import offload
+
+    monkeypatch.setattr(offload, "CHUNK_BYTES", 2**20)
+    resident, offloaded = (fresh_steps(model_dir, batch, offload=mode, compile=False) for mode in ("none", "optimizer"))
+    assert resident["engine"] - offloaded["engine"] > 0.75 * 8 * resident["params"], (resident["engine"],
+                                                                                       offloaded["engine"])
+
+
+def test_models_load_straight_onto_the_gpu(model_dir):
+    """load_causal_lm and ValueModel with a GPU device: every parameter there, equal to the host's
+    (the value head is drawn on the host either way)."""
+    from hpcrl.models import ValueModel, load_causal_lm
+
+    host, gpu = load_causal_lm(model_dir).state_dict(), load_causal_lm(model_dir, device="cuda").state_dict()
+    assert host.keys() == gpu.keys() and all(v.is_cuda and torch.equal(v.cpu(), host[k]) for k, v in gpu.items())
+    torch.manual_seed(3)
+    host = ValueModel(model_dir).state_dict()
+    torch.manual_seed(3)
+    gpu = ValueModel(model_dir, torch.device("cuda", 0)).state_dict()
+    assert host.keys() == gpu.keys() and all(v.is_cuda and torch.equal(v.cpu(), host[k]) for k, v in gpu.items())
+
+
+def recompute_probe(rank: int, model_dir: str, batch, out: str, port: int) -> None:
+    """Two megatron steps of the same batch without and with full recompute (its own process:
+    megatron's parallel state is per process): the stats, the second step's peak memory above what
+    the engine holds between steps, and the log-probs after."""
+    import os
+    import pickle
+
+    import torch.distributed as dist
+    from gpu_probe import pg_loss
+
+    from hpcrl.engines.train.megatron import MegatronEngine
+    from hpcrl.engines.train.torch_trainer import OptimConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NCCL_NVLS_ENABLE="0")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    result = {}
+    for checkpointing in (False, True):
+        engine = MegatronEngine(model_dir, "log_probs", OptimConfig(lr=1e-4, micro_batch_size=4, grad_clip=1e9),
+                                checkpointing=checkpointing)
+        stats = [engine.train_step(batch, pg_loss)]      # the first makes Adam's moments
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        stats.append(engine.train_step(batch, pg_loss))
+        result[checkpointing] = {"stats": stats, "peak": torch.cuda.max_memory_allocated() - held,
+                                 "logp": engine.infer(batch, 4)["log_probs"]}
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    with open(out, "wb") as f:
+        pickle.dump(result, f)
+    dist.destroy_process_group()
+
+
+def test_megatron_full_recompute_takes_the_same_steps_in_less_memory(model_dir, batch, tmp_path):
+    """megatron's full recompute of each layer (train.engine.activation_checkpointing): the same
+    losses, gradient norms and updated log-probs as without it, within bf16 noise, and a lower peak
+    above what the engine holds between steps."""
+    import pickle
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(recompute_probe, args=(str(model_dir), batch, str(tmp_path / "out.pkl"), next(PORTS)), nprocs=1)
+    r = pickle.loads((tmp_path / "out.pkl").read_bytes())
+    plain, recomputed = r[False], r[True]
+    for got, want in zip(recomputed["stats"], plain["stats"]):
+        assert got["pg"] == pytest.approx(want["pg"], rel=1e-3)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=2e-2)
+    m = batch["response_mask"].bool()
+    assert rel(recomputed["logp"][m], plain["logp"][m]) < 1e-2
+    assert recomputed["peak"] < 0.8 * plain["peak"], (recomputed["peak"], plain["peak"])

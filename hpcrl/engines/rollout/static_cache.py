@@ -15,6 +15,8 @@ stay valid across updates. On CPU the same code runs eagerly (the tests compare 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -30,14 +32,15 @@ class StaticCacheRollout:
     shares_module = False
 
     def __init__(self, config, pad_id: int, eos_ids: list[int], device: torch.device | str,
-                 dtype: torch.dtype | None = None, check_every: int = 32, compile: bool = True):
+                 dtype: torch.dtype | None = None, check_every: int = 32, compile: bool = True,
+                 reload: Callable[[], dict[str, torch.Tensor]] | None = None):
         if config.model_type not in SUPPORTED:
             raise ValueError(f"StaticCacheRollout supports {SUPPORTED}, not {config.model_type!r}")
         self.s = Shape.of(config)
         self.eps = config.rms_norm_eps
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        self.pad_id, self.eos_ids, self.check_every = pad_id, list(eos_ids), check_every
+        self.pad_id, self.eos_ids, self.check_every, self.reload = pad_id, list(eos_ids), check_every, reload
         d = self.s.head_dim
         inv_freq = 1.0 / rope_theta(config) ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         # a replay's steps past the last token may run past the model's positions: they are never kept
@@ -86,7 +89,12 @@ class StaticCacheRollout:
             yield from (t for t in layer.values() if t is not None)
 
     def sleep(self) -> None:
-        """Keeps its weights and graphs: they are what makes the next step fast."""
+        """Given `reload` (the trainer's weights, in a trainer's process), frees its weights, KV cache and
+        graphs for the trainer: the next generate takes the weights again from `reload` and captures its
+        graph again. Else keeps them: they are what makes the next step fast."""
+        if self.reload is not None:
+            self.w = None
+            self.decoders.clear()
 
     # --- the model
     def _rms(self, x, w):
@@ -162,21 +170,50 @@ class StaticCacheRollout:
         self.decoders[key] = (graph.replay if graph is not None else run, buf)
         return self.decoders[key]
 
+    def _rows_that_fit(self, b: int, p: int, length: int, steps: int, params: SamplingParams) -> int:
+        """How many rows of a new decoder (KV cache, sampler buffers, the prompt's forward) fit in what
+        the GPU has free now, with a tenth kept back: all b where they do, and on CPU."""
+        if self.device.type != "cuda":
+            return b
+        self.decoders.clear()          # the decoder of another shape goes first
+        free, _ = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        s, item = self.s, torch.finfo(self.dtype).bits // 8
+        per_row = (2 * s.layers * s.kv_heads * s.head_dim * length * item                      # keys and values
+                   + 4 * self.w["lm_head"].shape[0] * ((steps if params.temperature else 0) + 4)  # noise, logits, sampling
+                   + p * (6 * s.hidden + 3 * s.ffn) * item)                                     # the prompt's forward
+        return max(1, min(b, int(0.9 * free) // per_row))
+
     # --- sampling
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                  seed: int) -> dict[str, torch.Tensor]:
         """Same layout as TorchRollout.generate; every row's draws come from one generator seeded with
-        `seed`. Decodes `check_every` tokens between looks at whether every row has stopped."""
+        `seed`. Decodes `check_every` tokens between looks at whether every row has stopped. Where the
+        KV cache of every row does not fit in the GPU memory free now, the rows go in the largest
+        chunks that do, one after the other, a chunk from row i seeded with `seed` + i."""
+        if self.w is None and self.reload is not None:
+            self.load_weights(self.reload())
         if self.w is None:
             raise RuntimeError("StaticCacheRollout.generate before load_weights")
-        dev = self.device
         b, p = prompt_ids.shape
         steps = min(self.check_every, params.max_new_tokens)
         runs = -(-params.max_new_tokens // steps)
         # the cache's length rounded up, so that batches of slightly different prompt widths replay
         # one captured graph (the slots past the real tokens stay masked out)
         length = -(-(p + runs * steps) // CACHE_ROUND) * CACHE_ROUND
+        key = (b, length, steps, params.temperature, params.top_k, params.top_p)
+        rows = b if key in self.decoders else self._rows_that_fit(b, p, length, steps, params)
+        if rows < b:
+            print(f"static-cache rollout: {b} rows do not fit the free GPU memory at once; {rows} at a time", flush=True)
+        parts = [self._generate(prompt_ids[i:i + rows], prompt_mask[i:i + rows], params, seed + i if i else seed,
+                                length, steps, runs) for i in range(0, b, rows)]
+        return parts[0] if len(parts) == 1 else {k: torch.cat([part[k] for part in parts]) for k in parts[0]}
+
+    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, seed: int,
+                  length: int, steps: int, runs: int) -> dict[str, torch.Tensor]:
+        dev = self.device
+        b, p = prompt_ids.shape
         decode, buf = self._decoder(b, length, steps, params)
         ids, mask = prompt_ids.to(dev), prompt_mask.to(dev).bool()
         pos = (mask.long().cumsum(1) - 1).clamp_min(0)

@@ -10,6 +10,7 @@ base weights back bit for bit).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -57,7 +58,8 @@ def scalings(module: torch.nn.Module) -> dict[str, float]:
 def merge(state: dict[str, torch.Tensor], scaling: dict[str, float]) -> dict[str, torch.Tensor]:
     """A LoRA module's state dict -> the merged model's, by a plain model's names. The same
     arithmetic as peft's merge_and_unload of plain LoRA on Linear layers (what lora_config makes):
-    W_base + (B @ A) * scaling."""
+    W_base + (B @ A) * scaling, computed in the adapters' dtype (fp32) and given in the base's (bf16
+    where the engine stores its base so: what a bf16 rollout would cast it to, at half the memory)."""
     out = {}
     for name, value in state.items():
         if f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name:
@@ -68,7 +70,7 @@ def merge(state: dict[str, torch.Tensor], scaling: dict[str, float]) -> dict[str
             continue
         if leaf == "weight":
             a, b = state[f"{layer}.lora_A.{ADAPTER}.weight"], state[f"{layer}.lora_B.{ADAPTER}.weight"]
-            value = value + (b @ a) * scaling[layer]
+            value = (value + (b @ a) * scaling[layer]).to(value.dtype)
         out[f"{layer}.{leaf}"] = value
     return out
 
@@ -101,7 +103,9 @@ def load_adapter_state(module: torch.nn.Module, state: dict[str, torch.Tensor]) 
 
 class LoraTrainer(TorchTrainer):
     """A TorchTrainer whose module carries LoRA adapters: it trains and checkpoints the adapters
-    (TorchTrainer leaves frozen parameters out of both) and hands the merged weights to a rollout."""
+    (TorchTrainer leaves frozen parameters out of both) and hands the merged weights to a rollout.
+    In bf16 (a GPU's default) the base is stored in bf16 and the adapters train in fp32; the merged
+    weights are bf16 then (merge)."""
 
     def __init__(self, module: torch.nn.Module, *args, **kwargs):
         self.scaling = scalings(module)     # before any wrapper (FSDP2 keeps the names; DDP wraps outside)
@@ -110,3 +114,18 @@ class LoraTrainer(TorchTrainer):
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The merged model's parameters by HF name (what a plain model of the directory loads)."""
         return merge(super().full_weights(), self.scaling)
+
+    @contextmanager
+    def adapters_off(self):
+        """The base model alone for the duration, every adapter skipped (peft's own switch): the
+        reference policy of a LoRA run, with no second copy of the model."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.module.modules() if isinstance(m, BaseTunerLayer)]
+        for layer in layers:
+            layer.enable_adapters(False)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enable_adapters(True)

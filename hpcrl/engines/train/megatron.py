@@ -57,11 +57,14 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, vocab_
 class MegatronEngine:
     """head "log_probs" (actor, reference: π(response) at `temperature`, and its entropy) or "values"
     (critic). cfg None: inference only. `compile`: each decoder layer through Inductor (without TP
-    or PP), and the chunked LM head's softmax (one TP rank). A TrainEngine (hpcrl/engines/base.py)."""
+    or PP), and the chunked LM head's softmax (one TP rank). `checkpointing`: megatron's full
+    recompute of each layer in training (it keeps the layer's input only). A TrainEngine
+    (hpcrl/engines/base.py)."""
     state_replicated = False     # each rank holds its tensor/pipeline shard
 
     def __init__(self, model_dir: str, head: str, cfg: OptimConfig | None, tensor_parallel: int = 1,
-                 pipeline_parallel: int = 1, temperature: float = 1.0, seed: int = 1, compile: bool = True):
+                 pipeline_parallel: int = 1, temperature: float = 1.0, seed: int = 1, compile: bool = True,
+                 checkpointing: bool = False):
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel as mtp
         from megatron.core.models.gpt import GPTModel
@@ -95,7 +98,9 @@ class MegatronEngine:
             pipeline_dtype=torch.bfloat16, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
             calculate_per_token_loss=True,     # our loss is already each piece's share: megatron must not rescale it
             # stages exchange activations of each micro-batch's own shape (the last may be smaller)
-            variable_seq_lengths=pipeline_parallel > 1, moe_token_dispatcher_type="alltoall")
+            variable_seq_lengths=pipeline_parallel > 1, moe_token_dispatcher_type="alltoall",
+            **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+               if checkpointing else {}))
         values = head == "values"
         model = GPTModel(self.config, layer_spec(), vocab_size=s.padded_vocab(self.tp),
                          max_sequence_length=hf_config.max_position_embeddings, pre_process=self.first,

@@ -1,9 +1,12 @@
 """Training in plain torch (a TrainEngine): micro-batches with gradient accumulation, clipping, AdamW, warm-up LR,
 and data parallelism within a role: DDP on CPU (gloo), FSDP2 (`fully_shard`, one unit per decoder
 layer) on GPUs. On a GPU the forward runs under bf16 autocast (master weights and optimizer state
-stay fp32) with PyTorch's SDPA attention, each decoder layer compiled by Inductor on one GPU
-(`compile`), and AdamW is the fused kernel. `pack`: each micro-batch's forward runs on its sequences
-packed into one row without padding (hpcrl.models.packing says how, and which attention a GPU takes).
+stay fp32; weights that do not train are stored in bf16) with PyTorch's SDPA attention, each decoder
+layer compiled by Inductor on one GPU (`compile`), and AdamW is the fused kernel. `pack`: each
+micro-batch's forward runs on its sequences packed into one row without padding (hpcrl.models.packing
+says how, and which attention a GPU takes). `checkpointing`: each decoder layer's activations are
+computed again in the backward instead of kept. `offload="optimizer"`: AdamW's moments live in host
+memory between steps (offload.py).
 
 The engine is told what the role computes (`forward(module, micro_batch) -> {name: per-token
 tensor}`, e.g. response log-probs or values) and trains on a loss of those outputs, so roles never
@@ -20,6 +23,8 @@ import torch.distributed as dist
 
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.micro_batches import micro_batches, pad_responses
+from hpcrl.engines.train.offload import HostOptimizerState
+from hpcrl.models.critic import ValueModel
 
 Forward = Callable[[torch.nn.Module, Batch], dict]
 
@@ -61,17 +66,37 @@ class TorchTrainer:
     """loss_fn(out, micro_batch, total_tokens, total_seqs) -> (loss, stats): the loss of the micro-batch
     as its share of the whole mini-batch (the totals span every micro-batch and every rank), where
     `out` is forward(module, micro_batch). cfg None: inference only (a frozen role). `pack`: micro-batches
-    are marked for a packed forward, their token budget counting real tokens (micro_batches)."""
+    are marked for a packed forward, their token budget counting real tokens (micro_batches).
+    `checkpointing` (a training engine's): each decoder layer of the HF module (a ValueModel's
+    backbone) recomputes its activations in the backward, by transformers' own non-reentrant
+    checkpoint around the layer's call (the compiled one on a GPU). `offload` "optimizer": AdamW's
+    moments on the host between steps, one GPU per process group (not under FSDP2)."""
 
     def __init__(self, module: torch.nn.Module, cfg: OptimConfig | None, forward: Forward,
                  device: torch.device | str = "cpu", precision: str = "auto", compile: bool = True,
-                 pack: bool = False):
+                 pack: bool = False, checkpointing: bool = False, offload: str = "none"):
         self.cfg, self.forward, self.pack = cfg, forward, pack
         self.device = torch.device(device)
         self.bf16 = use_bf16(precision, self.device)
+        self.checkpointing = checkpointing and cfg is not None
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.module = module.to(self.device)
         self.sharded = self.world > 1 and self.device.type == "cuda" and cfg is not None
+        if offload not in ("none", "optimizer"):
+            raise ValueError(f"train.engine.offload: {offload!r} is not none or optimizer")
+        if offload == "optimizer" and self.sharded:
+            raise ValueError(f"train.engine.offload: optimizer needs one GPU per process group; these {self.world} "
+                             "GPUs shard the model with FSDP2, whose optimizer state is already split over them: "
+                             "set offload: none")
+        self.module = module.to(self.device)
+        if self.bf16:
+            # What does not train is stored in bf16, the dtype its forward computes in under autocast:
+            # half the memory of a reference, or of a LoRA module's base. Buffers (RoPE's frequencies) stay.
+            for p in module.parameters():
+                if cfg is None or not p.requires_grad:
+                    p.data = p.data.to(torch.bfloat16)
+        if self.checkpointing:
+            hf = module.backbone if isinstance(module, ValueModel) else module
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         layers = [sub for sub in module.modules() if type(sub).__name__.endswith("DecoderLayer")]
         if self.sharded:
             from torch.distributed.fsdp import fully_shard
@@ -85,7 +110,9 @@ class TorchTrainer:
             self.wrapped = module
         if compile and self.device.type == "cuda" and not self.sharded:
             # in place: parameter names and state dicts stay as they are. Not under FSDP2, whose hooks
-            # the compiled layer would have to trace (untested here, where one GPU is all there is)
+            # the compiled layer would have to trace (untested here, where one GPU is all there is).
+            # A checkpointed layer's call (transformers' GradientCheckpointingLayer) checkpoints this
+            # compiled one: its recompute runs the compiled graph again
             for layer in layers:
                 layer.compile()
         if cfg is None:
@@ -95,9 +122,14 @@ class TorchTrainer:
         self.optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(cfg))
+        self.optimizer_step = HostOptimizerState(self.optimizer).step if offload == "optimizer" else self.optimizer.step
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
+        # With checkpointing, autocast's cache would keep the bf16 cast of every fp32 weight until the
+        # forward ends (2 bytes a weight: most of what a checkpointed forward holds); off, each layer
+        # casts its weights when it runs, as its recompute in the backward does anyway
+        return (torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=not self.checkpointing)
+                if self.bf16 else nullcontext())
 
     def _run(self, module: torch.nn.Module, mb: Batch) -> dict:
         with self._autocast():
@@ -141,7 +173,7 @@ class TorchTrainer:
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         if torch.isfinite(grad_norm):   # a non-finite gradient skips the step rather than poisoning the weights
-            self.optimizer.step()
+            self.optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         out = {k: all_sum(v, self.device) for k, v in sums.items()}

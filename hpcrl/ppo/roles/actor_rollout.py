@@ -30,9 +30,15 @@ class ActorRollout(Generates, Checkpointed, Worker):
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """log π_old of the sampled tokens, recomputed by the training model (not the sampler's)."""
-        out = self.engine.infer(batch, self.cfg.optim.micro_batch_size, self.cfg.optim.micro_batch_tokens)
-        return Batch({"old_log_probs": out["log_probs"], "entropy": out["entropy"]})
+        """log π_old of the sampled tokens, recomputed by the training model (not the sampler's); with
+        LoRA and a KL term also the reference's, log π_ref: the same model with its adapters off."""
+        micro = self.cfg.optim.micro_batch_size, self.cfg.optim.micro_batch_tokens
+        out = self.engine.infer(batch, *micro)
+        scored = {"old_log_probs": out["log_probs"], "entropy": out["entropy"]}
+        if self.cfg.reference_in_actor:
+            with self.engine.adapters_off():
+                scored["ref_log_probs"] = self.engine.infer(batch, *micro)["log_probs"]
+        return Batch(scored)
 
     @register(Dispatch.DP_COMPUTE, changes_state=True)
     def update_actor(self, batch: Batch) -> dict:

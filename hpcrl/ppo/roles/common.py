@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from hpcrl.controller.batch import Batch
-from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer
+from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer, use_bf16
 from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, values_head
 from hpcrl.ppo.config import TrainConfig
 
@@ -29,7 +29,8 @@ def optim_config(cfg: TrainConfig, lr: float) -> OptimConfig:
 def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch.device, lr: float | None):
     """The engine of a role: head "log_probs" (actor; reference when lr is None) or "values" (critic),
     on cfg.engine.backend. lr None: inference only. With cfg.lora.rank the actor (and the critic,
-    unless lora.critic is off) trains LoRA adapters on its frozen base instead."""
+    unless lora.critic is off) trains LoRA adapters on its frozen base instead. The model is loaded
+    onto `device` (a reference that runs in bf16: in bf16, as the engine would store it)."""
     optim = optim_config(cfg, lr) if lr is not None else None
     if cfg.engine.backend == "megatron":
         try:
@@ -38,17 +39,20 @@ def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch
             raise RuntimeError(f"train.engine.backend: megatron, but megatron-core does not import here ({e}); "
                                "install `hpcrl[megatron]` on the GPU nodes, or use train_engine: torch") from e
         return MegatronEngine(model_dir, head, optim, cfg.engine.tensor_parallel, cfg.engine.pipeline_parallel, cfg.rollout.temperature,
-                              cfg.seed, cfg.engine.compile)
+                              cfg.seed, cfg.engine.compile, cfg.engine.activation_checkpointing)
     if head == "values":
-        module, forward = ValueModel(model_dir), values_head
+        module, forward = ValueModel(model_dir, device), values_head
     else:
-        module, forward = load_causal_lm(model_dir), log_probs_head(cfg.rollout.temperature, lr is not None, cfg.engine.compile)
+        dtype = torch.bfloat16 if lr is None and use_bf16(cfg.engine.precision, device) else torch.float32
+        module = load_causal_lm(model_dir, dtype, device)
+        forward = log_probs_head(cfg.rollout.temperature, lr is not None, cfg.engine.compile)
     engine = TorchTrainer
     if lr is not None and cfg.lora.rank and (head == "log_probs" or cfg.lora.critic):
         from hpcrl.engines.train.lora import LoraTrainer, add_adapters
 
         module, engine = add_adapters(module, cfg.lora), LoraTrainer
-    return engine(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile, cfg.optim.pack)
+    return engine(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile, cfg.optim.pack,
+                  cfg.engine.activation_checkpointing, cfg.engine.offload)
 
 
 def ppo_updates(engine, batch: Batch, cfg: TrainConfig, world_size: int, seed: list[int], loss_fn) -> dict:

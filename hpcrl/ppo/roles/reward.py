@@ -27,6 +27,7 @@ class RuleReward(Checkpointed, Worker):
     `prompt` is the dataset's prompt as written (text, or chat messages)."""
     frozen = True   # no state: its file only records that the role took part
     elastic = True  # any number of ranks score alike (hpcrl scale)
+    uses_gpus = False   # a rule: on a GPU node it runs beside the GPU roles, holding no GPU
 
     def __init__(self, model_dir: str, reward_fn: str, batched: bool = False):
         try:

@@ -40,7 +40,9 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         if device.type == "cuda" and config.model_type in SUPPORTED:
-            engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile)
+            engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile,
+                                        reload=trainer.full_weights if trainer is not None and cfg.rollout.release_memory
+                                        else None)
             engine.load_weights(trainer.full_weights() if trainer is not None else load_causal_lm(model_dir).state_dict())
             return engine
         if trainer is not None and not hasattr(trainer, "module"):
