@@ -393,8 +393,18 @@ def memory_problems(spec: JobSpec, shape: str | None = None) -> list[str]:
                         f"{gpu.usable / gib:.1f} GiB usable ({gpu.gpus.source}): {held}. "
                         + (f"Would fit: {would}" if would else "Nothing tried fits alone")
                         + (f". Lower, not enough: {lower}" if lower else "")
+                        + f". Or a partition whose GPUs hold {larger_gpu(gpu.peak + gpu.processes[0].constants.gpu_reserve)}"
                         + " (hpcrl plan SPEC shows the whole plan)")
     return problems
+
+
+def larger_gpu(needed: float) -> str:
+    """The size a GPU would need, and the smallest card of the GPU table that has it."""
+    from hpcrl.jobspec.gpus import CARDS_MIB
+
+    card = min(((mib, name) for name, mib in CARDS_MIB.items() if mib * 2**20 >= needed), default=None)
+    return f"{needed / 2**30:.0f} GiB" + (f" (gpu_type {card[1]}: {card[0] / 1024:.0f} GiB)" if card else
+                                          " (larger than any card hpcrl knows: more GPUs, or the changes above)")
 
 
 def problems_before_submit(spec: JobSpec, job: HetJob, cluster: ClusterInfo | None) -> list[str]:

@@ -1,26 +1,29 @@
 """The memory plan: every GPU's predicted peak, from the model's size, the training settings and the
 spec's GPUs, before the job waits in the queue. Pure arithmetic (no Ray, no Slurm, no torch).
 
-A GPU holds one process per role (per group of colocated roles) of its component. Each process is
-a list of parts, each held during some of the three phases of a step (generate, score, update):
+Each GPU of a component runs one process per group of colocated roles (a process holds a GPU of its
+own: hpcrl.jobspec.checks refuses GPU roles of one component that are not colocated). A process is
+a list of parts, each held by one role's calls in some of the four phases of a step (generate,
+score, update, sync: the new weights to the rollout), or resident:
 
     weights      trained parameters fp32 (4 B), frozen ones bf16 (2 B: the reference, a LoRA base)
     gradients    fp32, of the trained parameters, during the update
-    optimizer    AdamW's two fp32 moments (8 B a trained parameter), resident; offloaded: a double
-                 buffer of one streamed chunk, during the update
+    optimizer    AdamW's two fp32 moments (8 B a trained parameter), resident; offloaded: those of
+                 three streamed chunks, during the update
     activations  what one micro-batch's forward keeps for its backward: per token and decoder layer
-                 a·hidden + b·FFN bytes (CONSTANTS.train), with checkpointing the layers' inputs
-                 and one layer's worth; the bf16 copies of the fp32 weights the forward casts and
-                 keeps; the output layer's chunked log-probs (a chunk's fp32 logits several times, and
-                 its weight's fp32 gradient)
+                 a·hidden + b·FFN bytes (Constants.train), with checkpointing the layers' inputs and
+                 one layer's worth; the bf16 copies of the fp32 weights the forward casts and keeps;
+                 the output layer's chunked log-probs (a chunk's logits, the weight's bf16 copy and
+                 fp32 gradient)
     rollout      the generating engine: its bf16 copy of the weights, the KV cache and the sampler's
-                 buffers (static-cache engine), or vLLM's share of the GPU
-    fixed        the CUDA context (NVML sees it, torch's allocator does not)
+                 buffers (static-cache engine), the new set it casts at a sync, or vLLM's share
+    fixed        the CUDA context (NVML sees it, torch's allocator does not), the allocator's slack
 
-A process's peak is its largest phase, times the caching allocator's slack (it keeps what it
-reserved: a process's peak holds until it ends), plus the context; a GPU's is the sum of its
-processes' peaks. Where an assumption stands in for a missing setting (the prompt length) the
-plan says so in its notes. The constants, and how each was measured, are in CONSTANTS.
+A process's roles' calls run one after the other: while one runs, the process holds the resident
+parts and that call's own. Its peak is its largest call, times the caching allocator's slack (it
+keeps what it reserved: a process's peak holds until it ends), plus the context; a GPU's is the sum
+of its processes' peaks. Where an assumption stands in for a missing setting (the prompt length) the
+plan says so in its notes. The constants, and how each was measured, are in Constants.
 """
 from __future__ import annotations
 
@@ -275,9 +278,9 @@ def _trainer_parts(cfg: TrainConfig, size: ModelSize, lengths: Lengths, world: i
         weights, grads, optimizer = (4 * trained + 2 * frozen) / shards, 4 * trained / shards, 8 * trained / shards
         per_layer_tokens = tokens
     parts = [Part("weights", "weights", weights)]
-    if e.offload == "optimizer":
+    if e.offload == "optimizer":     # three chunks' two moments at once: arriving, updating, leaving
         chunk = min(k.offload_chunk, 4 * trained)
-        parts.append(Part("optimizer (streamed chunk)", "optimizer", 2 * 2 * chunk, ("update",)))
+        parts.append(Part("optimizer (streamed chunks)", "optimizer", 3 * 2 * chunk, ("update",)))
     else:
         parts.append(Part("optimizer", "optimizer", optimizer))
     parts.append(Part("gradients", "gradients", grads, ("update",)))
@@ -414,12 +417,6 @@ def fixes(base: MemoryPlan, gpu: GpuPlan) -> list[Fix]:
                 if got[1]:
                     return out + [Fix(overrides + tail, *got)]
     return out
-
-
-def _changes(changed: TrainConfig, base: TrainConfig) -> dict:
-    """The sections of `changed` that differ from `base`, by their changed fields."""
-    a, b = changed.model_dump(), base.model_dump()
-    return {s: {f: v for f, v in a[s].items() if b[s][f] != v} for s in a if isinstance(a[s], dict) and a[s] != b[s]}
 
 
 # --- what `hpcrl validate` and `hpcrl plan` print
