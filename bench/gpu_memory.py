@@ -226,6 +226,7 @@ def run_config(name: str, args, device: str) -> dict:
     row["fail"] = next((json.loads(x).get("error") for x in (run / "events.jsonl").read_text().splitlines()
                         if '"fail"' in x), None) if (run / "events.jsonl").exists() else None
     row.update(summarise(recs, spec, shape, device))
+    row["errors"] = process_errors(row)
     return row
 
 
@@ -335,21 +336,31 @@ def replan(path: Path) -> None:
         tmp.write_text(yaml.safe_dump(spec, sort_keys=False))
         got = hpcrl("plan", str(tmp), "--json", "--shape", row["shape"])
         row["plan_now"] = json.loads(got.stdout) if got.stdout.strip() else None
-        row["errors"] = {"+".join(p["roles"]): {"measured_nvml_gib": measured_process(row, p["roles"]).get("nvml"),
-                                                "before": planned_error(row.get("plan"), p["roles"], row),
-                                                "now": planned_error(row["plan_now"], p["roles"], row)}
-                         for g in (row["plan_now"] or {}).get("gpus", []) for p in g["processes"]}
+        row["errors"] = process_errors(row)
         if row.get("records"):
             row.update(summarise(row["records"], row["spec"], row["shape"], data.get("device", "")))
     path.write_text(json.dumps(data, indent=1))
     table(data)
 
 
+def process_errors(row: dict) -> dict:
+    """Each process of a config: its measured peak, and the error of the plan when the bench ran
+    (before) and of the plan as it is now (now, after a --replan)."""
+    plan = row.get("plan_now") or row.get("plan") or {}
+    return {"+".join(p["roles"]): {"measured_nvml_gib": measured_process(row, p["roles"]).get("nvml"),
+                                   "before": planned_error(row.get("plan"), p["roles"], row),
+                                   "now": planned_error(row.get("plan_now"), p["roles"], row)}
+            for g in plan.get("gpus", []) for p in g["processes"]}
+
+
 def planned_error(plan: dict | None, roles: list[str], row: dict) -> float | None:
-    """(planned − measured) / measured of a process, measured by NVML (torch's reserved + the context where NVML did not see it)."""
+    """(planned − measured) / measured of a process, measured by NVML (torch's reserved and the plan's
+    context where NVML did not see it)."""
+    from hpcrl.jobspec.memory import CONSTANTS
+
     planned = next((p["peak"] for g in (plan or {}).get("gpus", []) for p in g["processes"] if p["roles"] == roles), None)
     got = measured_process(row, roles)
-    measured = got.get("nvml") or (got["reserved"] + 0.8 if got else None)
+    measured = got.get("nvml") or (got["reserved"] + CONSTANTS.context / 2**30 if got else None)
     return None if planned is None or not measured else round((planned - measured) / measured, 4)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from hpcrl._version import __version__
 from hpcrl.files import StorageError
 from hpcrl.jobspec import SpecError, load_spec
+from hpcrl.models.size import NAMED_SHAPES
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.sbatch import SubmitError
 
@@ -26,7 +27,7 @@ def _load(args, for_cluster: bool = True):
 
 
 def cmd_validate(args) -> int:
-    from hpcrl.jobspec.checks import problems_before_submit
+    from hpcrl.jobspec.checks import memory_plan, problems_before_submit
     from hpcrl.launch.submit import hetjob_of
     from hpcrl.slurm.cluster_info import ClusterInfo, format_table
 
@@ -38,18 +39,16 @@ def cmd_validate(args) -> int:
         raise SpecError(problems, args.spec)
     print(f"OK: {args.spec} ({'offline, cluster not checked' if info is None else 'checked against the live cluster'})")
     print(format_table((info or ClusterInfo({}, {})).summary(job)))
-    _print_plan(spec)
+    _print_plan(memory_plan(spec), spec)
     return 0
 
 
-def _print_plan(spec, shape: str | None = None, details: bool = False) -> bool:
-    """The spec's memory plan, a table per GPU component (and every part by phase with `details`),
-    notes on stderr; whether it fits (True where there is nothing to plan)."""
-    from hpcrl.jobspec.checks import memory_plan
+def _print_plan(plan, spec, details: bool = False) -> bool:
+    """A memory plan (None: nothing to plan), a table per GPU component (and every part by phase with
+    `details`), notes on stderr; whether it fits."""
     from hpcrl.jobspec.memory import plan_details, plan_rows
     from hpcrl.slurm.cluster_info import format_table
 
-    plan = memory_plan(spec, shape)
     if plan is None:
         return True
     if plan.gpus:
@@ -66,18 +65,18 @@ def _print_plan(spec, shape: str | None = None, details: bool = False) -> bool:
 def cmd_plan(args) -> int:
     import json
 
-    from hpcrl.jobspec.checks import memory_plan, memory_problems
+    from hpcrl.jobspec.checks import memory_plan, plan_problems
     from hpcrl.jobspec.memory import plan_json
 
     spec = _load(args, for_cluster=False)
+    plan = memory_plan(spec, args.shape)
     if args.json:
-        plan = memory_plan(spec, args.shape)
         print(json.dumps(plan_json(plan) if plan else None, indent=1))
-        return 0 if plan is None or plan.fits else 1
-    if _print_plan(spec, args.shape, details=True):
+        return 0 if plan is None or plan.fits else 2
+    if _print_plan(plan, spec, details=True):
         return 0
     print("", file=sys.stderr)
-    raise SpecError(memory_problems(spec, args.shape), args.spec)
+    raise SpecError(plan_problems(plan), args.spec)
 
 
 def cmd_render(args) -> int:
@@ -445,10 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--offline", action="store_true", help="skip the live cluster check (no Slurm needed)")
     c.set_defaults(fn=cmd_validate)
     c = spec_cmd("plan", "the memory plan of a spec: each GPU's predicted peak per phase and role, part by part "
-                         "(weights, gradients, optimizer, activations, rollout, fixed); exit 1 where it does not fit, "
-                         "naming what would")
-    c.add_argument("--shape", help="plan this model instead of train.model.path: a named shape (qwen2.5-0.5b, "
-                                   "qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, llama-3.1-8b) or a model folder")
+                         "(weights, gradients, optimizer, activations, rollout, fixed); exit 2 where it does not fit, "
+                         "naming what would, as validate refuses it")
+    c.add_argument("--shape", help="plan this model instead of train.model.path: a named shape "
+                                   f"({', '.join(NAMED_SHAPES)}) or a model folder")
     c.add_argument("--json", action="store_true", help="the plan as JSON (GiB per part, process and GPU)")
     c.set_defaults(fn=cmd_plan)
     c = spec_cmd("render", "print the heterogeneous sbatch script of a spec, without submitting")

@@ -223,3 +223,27 @@ def test_an_unreadable_model_is_a_note_not_a_refusal(tmp_path, capsys):
     data = spec(tmp_path, {**PPO, "model": {"path": str(tmp_path / "not-here")}})
     plan = memory_plan(load_spec(written(tmp_path, data)))
     assert plan.fits and not plan.gpus and "hpcrl plan SPEC --shape" in plan.notes[0]
+
+
+def test_validating_a_gpu_spec_plans_it_without_torch_or_transformers(tmp_path):
+    """The plan is arithmetic: `hpcrl validate` on a login node must not pay for importing torch (a
+    second and more) to make it."""
+    import subprocess
+    import sys
+
+    path = written(tmp_path, spec(tmp_path, PPO))
+    code = ("import sys; from hpcrl.cli import main; rc = main(['validate', sys.argv[1], '--offline', "
+            "'train.lora.rank=16']); print(rc, sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-1] == "0 []", out
+
+
+def test_the_roles_planned_on_gpus_are_those_whose_workers_hold_one():
+    """hpcrl.jobspec.checks.gpu_roles (which must import no worker) against the workers' uses_gpus."""
+    from hpcrl.jobspec.checks import gpu_roles
+    from hpcrl.ppo.config import TrainConfig
+    from hpcrl.ppo.loop import worker_classes
+
+    for cfg in (TrainConfig.parse({"rollout": {"own_role": True}, "environment": {"cls": "hpcrl.environments:ToolEnvironment"}}),
+                TrainConfig.parse({"reward": {"model_dir": "somewhere"}})):
+        assert gpu_roles(cfg) == [r for r, cls in worker_classes(cfg).items() if cls.uses_gpus], cfg.roles()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
-from hpcrl.ppo.config import TrainConfig
+from hpcrl.ppo.config import BUILTIN_ROLES, TrainConfig
 
 if TYPE_CHECKING:
     from hpcrl.jobspec.models import JobSpec
@@ -269,7 +269,7 @@ def code_problems(spec: JobSpec) -> list[str]:
     reward_fn = cfg.reward.fn if cfg else ""
     if not own_roles(spec) and not spec.driver and not reward_fn:
         return []
-    from hpcrl.ppo.roles.custom import BUILTIN_ROLES, method_problem, worker_class
+    from hpcrl.ppo.roles.custom import method_problem, worker_class
 
     problems, classes = [], {}
     for role in own_roles(spec):
@@ -365,17 +365,22 @@ def memory_plan(spec: JobSpec, shape: str | None = None):
             fields = tiny_qwen2_fields(CharTokenizer(alphabet).vocab_size, cfg.model.hidden_size, cfg.model.layers,
                                        cfg.model.heads)
     except ValueError as e:
-        return MemoryPlan(cfg, components, None, CONSTANTS, [], [f"GPU memory not planned: train.model.path {e}; plan a shape of the same size with "
-                                "`hpcrl plan SPEC --shape NAME`"])
+        return MemoryPlan(cfg, components, None, CONSTANTS, [], [
+            f"GPU memory not planned: train.model.path {e}; plan a shape of the same size with "
+            "`hpcrl plan SPEC --shape NAME`"])
     return plan_memory(cfg, components, ModelSize.of(fields))
 
 
 def memory_problems(spec: JobSpec, shape: str | None = None) -> list[str]:
+    """plan_problems of the spec's memory plan."""
+    return plan_problems(memory_plan(spec, shape))
+
+
+def plan_problems(plan) -> list[str]:
     """A problem per component whose GPUs the memory plan says will not hold what the spec puts on
     them, each with the changes that would make it fit and the peak each would give."""
     from hpcrl.jobspec.memory import fixes
 
-    plan = memory_plan(spec, shape)
     if plan is None or plan.fits:
         return []
     gib = 2**30

@@ -8,7 +8,7 @@ import yaml
 from pydantic import ValidationError
 
 from hpcrl.jobspec.checks import spec_problems
-from hpcrl.ppo.config import problem, upgrade_flat_keys
+from hpcrl.ppo.config import BUILTIN_ROLES, problem, upgrade_flat_keys
 from hpcrl.jobspec.models import JobSpec, SpecError
 from hpcrl.jobspec.overrides import OverrideError, apply_overrides, parse_overrides, set_fields
 
@@ -68,8 +68,6 @@ def configure(spec: JobSpec, run_dir: str | Path | None = None,
 
 def idle_roles(spec: JobSpec) -> list[str]:
     """Built-in roles the spec places that its training does not run (their nodes would wait idle)."""
-    from hpcrl.ppo.roles.custom import BUILTIN_ROLES
-
     if spec.train is None:
         return []
     runs = spec.train.roles()

@@ -200,10 +200,9 @@ class Lengths:
         return cls(ASSUMED_PROMPT, response)
 
 
-def plan_memory(cfg: TrainConfig, components: list[Gpus], size: ModelSize, constants: Constants = CONSTANTS,
-                notes: list[str] | None = None) -> MemoryPlan:
+def plan_memory(cfg: TrainConfig, components: list[Gpus], size: ModelSize, constants: Constants = CONSTANTS) -> MemoryPlan:
     """Each GPU component's processes and their parts (the module's docstring says how)."""
-    notes = list(notes or [])
+    notes: list[str] = []
     lengths = Lengths.of(cfg, notes)
     ranks = {role: c.nodes * c.per_node for c in components for role in c.roles}
     generator = "rollout" if cfg.rollout.own_role else "actor_rollout"
@@ -338,7 +337,7 @@ def _rollout_parts(cfg: TrainConfig, size: ModelSize, lengths: Lengths, ranks: i
     weights = 2 * (size.params + (size.embedding if s.tied else 0))    # its own output layer even when tied
     buffers = 4 * rows * vocab * ((steps if r.temperature else 0) + 1)  # the sampler's noise and logits, fp32
     parts = [Part("rollout weights (bf16)", "rollout", weights, ("generate", "sync") if released else PHASES),
-             Part("KV cache", "rollout", size.kv_bytes_per_token() * rows * length, ("generate",) if released else PHASES),
+             Part("KV cache", "rollout", s.kv_bytes_per_token() * rows * length, ("generate",) if released else PHASES),
              Part("sampler buffers", "rollout", buffers, ("generate",) if released else PHASES),
              Part("prompt forward", "rollout", _inference(size, rows * lengths.prompt, k) + 3 * 4 * rows * vocab,
                   ("generate",))]

@@ -25,6 +25,10 @@ class Shape:
                    qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
                    tied=bool(getattr(config, "tie_word_embeddings", False)))
 
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """The KV cache of one token, every layer: keys and values."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
     def padded_vocab(self, tp: int) -> int:
         return -(-self.vocab // tp) * tp
 

@@ -73,7 +73,6 @@ class ModelSize:
     """every parameter once (a tied output layer is the embedding)"""
     linears: tuple[tuple[str, int, int], ...]
     """(module name, in, out) of every linear layer but the output layer: where LoRA adapters go"""
-    max_positions: int
 
     @classmethod
     def of(cls, fields: dict) -> ModelSize:
@@ -81,7 +80,7 @@ class ModelSize:
         two norms a layer; Qwen2's q, k, v with biases); any other model built by transformers on
         the meta device (no memory, no weights) and counted there."""
         config = SimpleNamespace(**{"num_key_value_heads": fields.get("num_attention_heads"),
-                                    "tie_word_embeddings": False, "max_position_embeddings": 2048, **fields})
+                                    "tie_word_embeddings": False, **fields})
         shape = Shape.of(config)
         if fields.get("model_type", "qwen2") not in DECODERS:
             return cls._built(fields, shape)
@@ -93,7 +92,7 @@ class ModelSize:
         biases = (q + 2 * kv) * shape.layers if shape.qkv_bias else 0
         params = (sum(i * o for _, i, o in linears) + biases + 2 * d * shape.layers + d
                   + shape.vocab * d * (1 if shape.tied else 2))
-        return cls(shape, params, linears, config.max_position_embeddings)
+        return cls(shape, params, linears)
 
     @classmethod
     def _built(cls, fields: dict, shape: Shape) -> ModelSize:
@@ -106,7 +105,7 @@ class ModelSize:
         head = model.get_output_embeddings()
         linears = tuple((name, m.in_features, m.out_features) for name, m in model.named_modules()
                         if isinstance(m, torch.nn.Linear) and m is not head)
-        return cls(shape, sum(p.numel() for p in model.parameters()), linears, model.config.max_position_embeddings)
+        return cls(shape, sum(p.numel() for p in model.parameters()), linears)
 
     @property
     def embedding(self) -> int:
@@ -135,7 +134,3 @@ class ModelSize:
         def chosen(name: str) -> bool:
             return targets == "all-linear" or any(name == t or name.endswith("." + t) for t in targets)
         return sum(rank * (i + o) for name, i, o in self.linears if chosen(name))
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """The KV cache of one token, every layer: keys and values."""
-        return 2 * self.shape.layers * self.shape.kv_heads * self.shape.head_dim * dtype_bytes

@@ -497,6 +497,10 @@ class EnvironmentSettings(Settings):
         return self.max_tokens or self.max_turns * max_new_tokens
 
 
+BUILTIN_ROLES = ("actor_rollout", "rollout", "critic", "ref", "reward", "env")
+"""The roles hpcrl's own workers play (TrainConfig.roles: those a configuration runs)."""
+
+
 class TrainConfig(Settings):
     """The training settings (`train:` of a job spec)."""
     seed: Count = 1

@@ -179,7 +179,7 @@ class StaticCacheRollout:
         free, _ = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         s, item = self.s, torch.finfo(self.dtype).bits // 8
-        per_row = (2 * s.layers * s.kv_heads * s.head_dim * length * item                      # keys and values
+        per_row = (s.kv_bytes_per_token(item) * length                                         # keys and values
                    + 4 * self.w["lm_head"].shape[0] * ((steps if params.temperature else 0) + 4)  # noise, logits, sampling
                    + p * (6 * s.hidden + 3 * s.ffn) * item)                                     # the prompt's forward
         return max(1, min(b, int(0.9 * free) // per_row))

@@ -14,8 +14,6 @@ from hpcrl.controller import Worker
 from hpcrl.controller.dispatch import registered_methods
 from hpcrl.importing import import_object
 
-BUILTIN_ROLES = ("actor_rollout", "rollout", "critic", "ref", "reward", "env")
-
 
 def worker_class(path: str, init_args: dict | None = None) -> type:
     """The class `path` names, checked: a Worker subclass whose __init__ takes `init_args`;
