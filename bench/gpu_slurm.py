@@ -237,7 +237,7 @@ def run_learn(args, rng: random.Random) -> dict:
     firsts = {"sbatch_to_allocation_s": round(job.running_at - job.submitted, 2), **first_times(job.run)}
     return {"job_id": job.job_id, "states": states, "run_dir": str(job.run), "steps_done": len(steps),
             "steps_unique": steps == list(range(1, len(steps) + 1)), "starts": len(starts),
-            "preemption": preempt, "first_times": firsts, "held_out": points,
+            "preemption": preempt, "first_times": firsts, "startup": start_phases(evs), "held_out": points,
             "first_at_or_above_0.65": reached, "trained_s": round(sum(map(train_seconds, recs)), 1),
             "records": recs}
 
@@ -269,7 +269,15 @@ def run_kill(args, rng: random.Random) -> dict:
             "kill_to_rebuilt_s": round(rebuilt["time"] - killed["time"], 2) if rebuilt and killed else None,
             "critic_after": {"restarts": critic["restarts"], "node": critic["ranks"][0]["node"],
                              "pid": critic["ranks"][0]["pid"]},
+            "startup": start_phases(evs),
             "steps_done": len(steps), "steps_unique": steps == list(range(1, len(steps) + 1)), "records": recs}
+
+
+def start_phases(evs: list[dict]) -> list[dict]:
+    """Each start's phases (hpcrl/observe/startup.py's `starts`), JSON-ready."""
+    from hpcrl.observe.startup import starts
+
+    return [{"phases": s["phases"], "slowest": {k: list(v) for k, v in s["slowest"].items()}} for s in starts(evs)]
 
 
 def observe(run: Path, out: Path) -> dict:

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from hpcrl._version import __version__
-from hpcrl.files import StorageError
+from hpcrl.files import StorageError, UnsafePath
 from hpcrl.jobspec import SpecError, load_spec
 from hpcrl.models.size import NAMED_SHAPES
 from hpcrl.run_dir import RunDir
@@ -385,6 +385,17 @@ def cmd_ckpt(args) -> int:
     if not steps:
         print(f"{store.root}: no committed checkpoint")
         return 1
+    if args.action == "upgrade":
+        from hpcrl.checkpoint.inflight import upgrade_pickled
+
+        if not args.trust_pickle:
+            print("error: upgrade loads pickles, which run whatever code they hold: add --trust-pickle if no one "
+                  f"but you could have written {store.root}", file=sys.stderr)
+            return 2
+        done = [step for step in steps if upgrade_pickled(store, step)]
+        print(f"steps {', '.join(map(str, done))}: inflight.pkl is now inflight.h5" if done else
+              f"{store.root}: no step holds a pickle; nothing to do")
+        return 0
     if args.action == "ls":
         print(f"{'step':>8} {'status':8} {'MB':>8}  roles (file)")
         for step in steps:
@@ -504,10 +515,14 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("init", help="list the example job specs, or print one to start from: hpcrl init NAME > job.yaml")
     c.add_argument("name", nargs="?", help="an example's name (without NAME, the list)")
     c.set_defaults(fn=cmd_init)
-    c = sub.add_parser("ckpt", help="a run's checkpoints: ls (steps, sizes, roles, status) or verify [STEP]")
-    c.add_argument("action", choices=["ls", "verify"])
+    c = sub.add_parser("ckpt", help="a run's checkpoints: ls (steps, sizes, roles, status), verify [STEP], or "
+                                    "upgrade --trust-pickle (an earlier hpcrl's pickled in-flight batches to HDF5)")
+    c.add_argument("action", choices=["ls", "verify", "upgrade"])
     c.add_argument("run_dir", help="run directory")
     c.add_argument("step", nargs="?", type=int, help="verify only this step")
+    c.add_argument("--trust-pickle", action="store_true",
+                   help="upgrade: load each step's inflight.pkl (a pickle runs whatever code it holds: only where "
+                        "no one else could have written the run directory) and write it as inflight.h5")
     c.set_defaults(fn=cmd_ckpt)
     c = sub.add_parser("export", help="a role of a committed step as a Hugging Face folder (vLLM serves it)")
     c.add_argument("run_dir", help="run directory, or job id")
@@ -608,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (SubmitError, SlurmCommandError, StorageError) as e:
+    except (SubmitError, SlurmCommandError, StorageError, UnsafePath) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -86,22 +87,55 @@ def replace_durably(tmp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path: Path, text: str | bytes, mode: int | None = None) -> None:
+def atomic_write_text(path: Path, text: str | bytes, mode: int = 0o666) -> None:
     """Write to a temporary name in the same directory, fsync, rename: readers see the old or the new
-    file, never a part of one, even after a crash. `text` may be bytes."""
+    file, never a part of one, even after a crash. `text` may be bytes. `mode` is what open() asks
+    for, less the umask (0o600: this user's alone, whatever the umask); the file is never opened wider."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with writing(path):
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if mode is None else mode)
+        tmp.unlink(missing_ok=True)      # a crashed write's leftover would keep its own mode
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         try:
             with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
-            if mode is None:
-                os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(path.parent)
+
+
+def private_dir(path: Path) -> Path:
+    """path as a folder only this user can use: made 0700, or where it is there already, refused
+    (PermissionError) unless it is a real folder of this user's that no one else may enter. For a
+    folder of a predictable name in a place others write (/dev/shm, /tmp)."""
+    path = Path(path)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(errno.EPERM, f"{path} is there already and is not a folder of this user's closed "
+                              f"to others (uid {st.st_uid}, mode {stat.filemode(st.st_mode)}): remove it, or "
+                              "ask whoever made it", str(path))
+    return path
+
+
+class UnsafePath(ValueError):
+    """A path read from the run directory that leads out of the folder it must stay in."""
+
+
+def confined(root: Path, relative: str, what: str) -> Path:
+    """root/relative, where `relative` was read from a file (a manifest): refused (UnsafePath) where
+    it is absolute or leads out of root, through '..' or a symbolic link."""
+    root = Path(root)
+    path = root / relative
+    if Path(relative).is_absolute() or not path.resolve().is_relative_to(root.resolve()):
+        raise UnsafePath(f"{what} names {relative!r}, which leads out of {root}: hpcrl never writes such a path, so "
+                         f"someone or something else changed it; look at who can write {root}, then remove or "
+                         "restore the file")
+    return path

@@ -6,6 +6,7 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
     RUN_DIR/spec.yaml          the validated spec (the driver reads it back)
             job.sbatch         the rendered batch script
             job.json           the submitted job: id, via, component of each role
+            secrets.env        the values of the spec's `secrets:` (0600), sourced by job.sbatch at start
             satellites.json    hpcrl scale: the nodes asked for each role, the satellite jobs submitted (satellites.json.lock: its lock)
             satellite-<role>.sbatch   the batch script of the role's satellites
             allocation.json    the nodes of every component (written in the batch shell)
@@ -83,6 +84,10 @@ class RunDir:
     @property
     def job(self) -> Path:
         return self.root / "job.json"
+
+    @property
+    def secrets(self) -> Path:
+        return self.root / "secrets.env"
 
     @property
     def submitit(self) -> Path:

@@ -152,27 +152,36 @@ def test_truncated_and_flipped_files_are_detected_and_skipped(tmp_path, caplog):
 
 
 def test_batches_generated_ahead_come_back_exactly_and_a_damaged_file_is_skipped(tmp_path, caplog):
-    from hpcrl.controller.batch import Batch
+    from hpcrl.controller.batch import Batch, object_array
 
     store = CheckpointStore(tmp_path)
+    rows = object_array([{"ground_truth": "1", "tags": [1, 2]}, None, [3.5, float("nan")], "4"])
     ahead = [Batch({"responses": torch.randint(0, 9, (4, 3)), "logp": torch.randn(4, 3).to(torch.bfloat16)},
-                   {"prompt": np.array(["1=", "22=", "3=", "4="], dtype=object), "group": np.arange(4)},
-                   {"step": s, "policy_version": s - 2}) for s in (5, 6)]
+                   {"prompt": np.array(["1=", "22=", "3=", "4="], dtype=object), "group": np.arange(4),
+                    "text": np.array(["a", "bb", "ccc", "é"]), "extra": rows},
+                   {"step": s, "policy_version": s - 2, "temperature": np.float32(0.7), "kl": 1 / 3}) for s in (5, 6)]
     for step in (3, 4):
         files = commit(store, step)
         store.commit(step, files, {"step": step}, store.write_inflight(step, ahead))
+    assert not list(tmp_path.glob("ckpt/*/*.pkl"))        # no pickle: nothing read back runs code
     back = store.read_inflight(store.manifest(4))
     assert [b.meta for b in back] == [b.meta for b in ahead]
+    assert type(back[0].meta["temperature"]) is np.float32
     for got, want in zip(back, ahead):
         assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want.tensors)
-        assert all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want.arrays)
-    with open(store.step_dir(4) / "inflight.pkl", "r+b") as fh:       # one flipped byte
-        fh.seek(40)
+        assert all(got[k].dtype == want[k].dtype and got[k].shape == want[k].shape for k in want.arrays)
+        assert all(np.array_equal(got[k], want[k]) for k in ("prompt", "group", "text"))
+        assert repr(list(got["extra"])) == repr(list(want["extra"]))      # nan, None, dicts, lists as they were
+    with h5py.File(store.step_dir(4) / "inflight.h5") as f:
+        offset = f["batches/1/tensors/responses"].id.get_offset()
+    with open(store.step_dir(4) / "inflight.h5", "r+b") as fh:       # one flipped byte
+        fh.seek(offset + 5)
         byte = fh.read(1)
-        fh.seek(40)
+        fh.seek(offset + 5)
         fh.write(bytes([byte[0] ^ 1]))
     problems = store.verify(4)
-    assert len(problems) == 1 and problems[0].startswith("inflight.pkl: ") and "checksum" in problems[0], problems
+    assert len(problems) == 1 and problems[0].startswith("in-flight batches: inflight.h5: ") and \
+        "checksum" in problems[0], problems
     with caplog.at_level(logging.WARNING, logger="hpcrl.checkpoint"):
         assert store.latest_good()[0] == 3
     assert store.write_inflight(5, []) is None and "inflight" not in json.loads(

@@ -42,7 +42,7 @@ def test_options_and_choices():
     assert cands("submit --via ") == ["sbatch", "submitit"]
     assert cands(f"submit {SPEC} --via ") == ["sbatch", "submitit"]
     assert cands("submit --via=") == ["--via=sbatch", "--via=submitit"]
-    assert cands("ckpt ") == ["ls", "verify"]
+    assert cands("ckpt ") == ["ls", "verify", "upgrade"]
     assert cands("completion ") == ["bash", "zsh"]
     assert cands("export runs/x out --dtype ") == ["auto", "bf16", "fp32"]
 

@@ -231,15 +231,40 @@ def test_restart_limit_stops_the_run_with_the_role_named(ray_local):
         a.shutdown()
 
 
-def test_standby_process_takes_over_a_dead_rank(ray_local):
-    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Toy, standby=True)
+class Warmed(Toy):
+    @classmethod
+    def warm_up(cls):
+        os.environ["WARMED_AT"] = str(time.time())     # the process's (a class sent by value has globals of its own)
+
+    def __init__(self):
+        super().__init__()
+        self.built_at = time.time()
+
+    @register(Dispatch.ONE_TO_ALL)
+    def warmed_before_built(self):
+        return float(os.environ.get("WARMED_AT", "inf")) < self.built_at
+
+
+def test_standby_process_takes_over_a_dead_rank_with_its_imports_done(ray_local):
+    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Warmed, standby=True)
     try:
+        assert a._hosts.standby == []                          # none while the run starts
+        a.start_standby()
         standby_pids = [int(p) for p in __import__("ray").get([h.pid.remote() for h in a._hosts.standby])]
+        assert a.warmed_before_built() == [False, False]      # the ranks' own processes did not wait for it
         kill_dead(a.pids()[0])
         assert a.allreduce(1) == [3.0, 3.0]
         assert a.pids() == standby_pids
+        assert a.warmed_before_built() == [True, True]        # a rebuild takes every rank's standby
     finally:
         a.shutdown()
+    # auto: only where the processes hold GPUs (none here)
+    b = WorkerGroup(ResourcePool.for_role("a", processes_per_node=1), Toy, standby="auto")
+    try:
+        b.start_standby()
+        assert b._hosts.standby == []
+    finally:
+        b.shutdown()
 
 
 def test_a_peers_error_after_a_rank_died_rebuilds_the_dead_rank(ray_local, tmp_path):

@@ -24,7 +24,8 @@ from hpcrl.ppo.context import RunContext
 from hpcrl.raycluster.node import token_problem
 
 ELASTIC = ROOT / "jobs" / "tiny-cpu-elastic.yaml"
-STEPS = 60      # about 0.25 s each: the test holds the steps where nodes come and go
+STEPS = 24      # about 0.1-0.25 s each: the test holds the steps where nodes come and go (the run takes
+                # a step or two between the holds; the rest only costs time)
 
 HELD_SCORER = '''
 import os
@@ -92,7 +93,9 @@ def joined(run: Path, job_id: str) -> bool:
 
 
 def world_size(run: Path) -> int:
-    return json.loads((run / "status.json").read_text())["roles"]["reward"]["world_size"]
+    """The reward role's ranks; 0 while a (resumed) start has not built its roles yet."""
+    roles = json.loads((run / "status.json").read_text())["roles"]
+    return roles["reward"]["world_size"] if "reward" in roles else 0
 
 
 def resizes(run: Path) -> list[tuple[int, int]]:

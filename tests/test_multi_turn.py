@@ -13,7 +13,10 @@ from conftest import ROOT, job_finished, kill_dead, slurm_log, submit, wait_unti
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events
 
-STEPS = 300
+STEPS = 220
+"""In a 300-step run (seed 1) the calls were learned by step 100 (last-20 mean 0.99) and the answers'
+reward, last-20 mean, reached the bar of 0.3 at step 180 and plateaued from step 210 (0.46 at 220,
+0.51 at 300)."""
 
 
 @pytest.mark.slurm

@@ -81,6 +81,9 @@ def test_while_the_critic_is_rebuilt_the_rollout_has_the_next_batch_in_hand(tmp_
     back = next(e for e in events if e["event"] == "rebuilt" and e["role"] == "critic")
     step = down["step"]
     assert down["generating"] == [step + 1] and back["step"] == step
+    # where the rebuild went: a new process's phases, within the rebuild's seconds
+    assert list(back["phases"]) == ["process", "group", "imports", "model", "engine", "built"], back
+    assert 0 < sum(back["phases"].values()) <= back["seconds"] <= back["time"] - down["time"] + 0.01, back
     generated = {c["step"]: c for c in read_calls(run)["rollout"] if c["method"] == "generate_sequences"}
     # sequentially, the batch of step+1 would be generated only after the critic was back and had trained
     assert generated[step + 1]["start"] < back["time"], (generated[step + 1], down, back)

@@ -154,3 +154,20 @@ def test_the_events_of_a_run_have_the_registered_fields(runs):
     assert {"start", "checkpoint", "finish"} <= kinds <= set(EVENTS), kinds
     extra = [e for e in events if set(e) - set(EVERY_EVENT) - set(EVENTS[e["event"]].fields)]
     assert not extra, f"fields missing in hpcrl/observe/event_kinds.py: {extra}"
+
+
+def test_a_real_runs_startup_phases_come_in_order_and_cover_every_rank(runs):
+    """The `startup` events of the PPO run: its own phases in order, every role's rank with its
+    process's phases, and the first step's record saying when the last phase ended."""
+    events = [e for e in read_events(runs[0]) if e["event"] == "startup"]
+    own = [e for e in events if e["role"] is None]
+    assert [e["phase"] for e in own] == ["driver", "ray", "roles", "validation", "first_step"], own
+    assert all(a["since_start"] <= b["since_start"] for a, b in zip(own, own[1:])), own
+    ranks = {(e["role"], e["rank"]) for e in events if e["role"]}
+    assert {r for r, _ in ranks} == set(ROLES["ppo"]) and {k for _, k in ranks} == {0}, ranks
+    for role, rank in ranks:
+        mine = [e["phase"] for e in events if (e["role"], e["rank"]) == (role, rank)]
+        assert mine[:2] == ["process", "group"] and mine[-1] == "built", (role, mine)
+        assert ("model" in mine) == (role in ("actor_rollout", "critic", "ref")), (role, mine)
+    first = next(r for r in read_metrics(runs[0] / "metrics.jsonl") if "timing/step" in r)
+    assert abs(first["timing/startup"] - own[-1]["since_start"]) < 0.5, (first["timing/startup"], own[-1])

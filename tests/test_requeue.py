@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import (ROOT, comparable, in_container, in_image, job_finished, job_records, kill_dead,
-                      plot_pixels_seen_by_chromium, preempt_and_finish, sh, slurm_log, start_local_training, submit,
-                      wait_until, with_train)
+from conftest import (PIPELINED_STEPS, ROOT, comparable, in_container, in_image, job_finished, job_records, kill_dead,
+                      plot_pixels_seen_by_chromium, preempt_and_finish, sh, short_spec, slurm_log, start_local_training,
+                      submit, wait_until)
 
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import TrainConfig
@@ -58,8 +58,9 @@ def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
 
 @pytest.mark.parametrize("rc,requeue,restarts,cancelled,status,slurm,said", [
     (0, True, 0, False, 0, [], None),                                      # trained to the last step
-    (1, True, 0, False, 1, [], "the driver exited with 1 (its error is above): training did not finish; "
-                               "the job ends FAILED"),
+    # no component requeued by Slurm (a node failure: tests/test_node_loss.py): the driver's own error
+    (1, True, 0, False, 1, [("scontrol", "show", "job", "-o", "77")],
+     "the driver exited with 1 (its error is above): training did not finish; the job ends FAILED"),
     (3, False, 0, False, 3, [], "not requeued: requeue is off in the spec; training stopped before its last "
                                 "step, at its last checkpoint: the job ends FAILED (exit 3)"),
     (3, True, 2, False, 3, [], "not requeued: restart count 2 has reached max_restarts 2; training stopped "
@@ -90,20 +91,6 @@ def test_the_batch_script_fails_the_job_only_when_training_stopped_early_and_goe
     assert said in out if said else out == "", out
 
 
-def short_spec(tmp_path, name, job="tiny-cpu.yaml", steps=40, **overrides):
-    """A job of jobs/ for `steps` steps, its critic data-parallel on both h100 nodes, writing its
-    checkpoints with parallel HDF5 (the pipelined job's actor moves to a100 to make room)."""
-    spec = yaml.safe_load((ROOT / "jobs" / job).read_text())
-    with_train(spec, total_steps=steps, progress=False, checkpoint_io="parallel")
-    spec["roles"]["critic"]["nodes"] = 2
-    if spec["roles"]["actor_rollout"]["partition"] == "h100":
-        spec["roles"]["actor_rollout"].update(partition="a100", gpu_type="a100")
-    spec.update(overrides)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
 def time_limited_spec(tmp_path, max_restarts, minutes=2, lead=90):
     """A few minutes per run, Slurm's signal `lead` seconds before the end, more steps than fit."""
     spec = short_spec(tmp_path, f"limited-{minutes}", max_restarts=max_restarts, signal_lead=lead)
@@ -123,7 +110,7 @@ def status(run) -> dict:
 
 
 @pytest.mark.slurm
-def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path, image):
+def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path, image, pipelined_once):
     """jobs/tiny-cpu-pipelined.yaml, on the host; then with the actor's and the reference's
     components in slurm/image's Charliecloud image (the rollout, whose node runs the driver, and the
     critic on the host), preempted: the checkpoint taken on the signal holds the batch the rollout
@@ -131,12 +118,8 @@ def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_
     resumed run trains on it in its containers, ending bitwise as the run on the host did."""
     # 80 steps of about 0.4 s: the preemption (status, the urgent job, Slurm's signal: up to ~10 s on
     # 2 busy cores) lands well before the end from any step it is started at
-    spec = short_spec(tmp_path, "tiny", job="tiny-cpu-pipelined.yaml", steps=80)
-    once, twice = tmp_path / "once", tmp_path / "twice"
-    job = submit(spec, once)
-    wait_until(lambda: job_finished(job), 600, "uninterrupted run")
-    assert len(read_metrics(once / "metrics.jsonl")) == 80, slurm_log(once)
-
+    spec = short_spec(tmp_path, "tiny", job="tiny-cpu-pipelined.yaml", steps=PIPELINED_STEPS)
+    once, twice = pipelined_once, tmp_path / "twice"
     job = submit(in_image(spec, image, ["actor_rollout", "ref"]), twice)
     at = random.Random().randint(5, 25)
     wait_until(lambda: len(read_metrics(twice / "metrics.jsonl")) >= at, 300, f"{at} steps")
@@ -151,7 +134,7 @@ def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_
     # each start's node tasks of the two components ran the image's interpreter
     assert slurm_log(twice).count("python /opt/venv/bin/python\n") == 4, slurm_log(twice)
     assert json.loads((twice / "allocation.json").read_text())["restart_count"] >= 1
-    assert_same_training(once, twice, 80)
+    assert_same_training(once, twice, PIPELINED_STEPS)
     for run in (once, twice):
         critic = json.loads((run / "ckpt" / "step_00000080" / "MANIFEST.json").read_text())["roles"]["critic"]
         assert critic["writer"] == "parallel HDF5, 2 ranks", critic

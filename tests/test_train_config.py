@@ -51,7 +51,7 @@ def test_every_problem_names_its_section_and_field():
         "train.rollout.engine: Input should be 'torch' or 'vllm' (got 'sglang')",
         "train.optim.actor_lr: Input should be a valid number (got 'fast')",
         "train.checkpoint.keep: unknown field (valid fields: save_every, save_last, keep_last, keep_every, async_save, "
-        "io, snapshot_every)",
+        "io, snapshot_every, replay_limit)",
         "train.seed: Input should be a valid integer (got 1.5)"])
     # across sections, checked once each section is sound: one place, each problem by its field
     with pytest.raises(ConfigError) as e:

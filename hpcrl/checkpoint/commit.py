@@ -90,23 +90,29 @@ class RoleCheckpoints:
 
     def resume(self) -> tuple[int, dict, int, list] | None:
         """Load every role from the newest good step: (step, the driver's state, bytes read, the
-        batches generated ahead of it), or None. The driver reads manifests only: each role reads
-        its own file on its own node, all at once, checking every checksum as it reads; a step whose
-        file a role finds damaged is passed over for the one before it."""
+        batches generated ahead of it), or None. The driver reads manifests and the batches generated
+        ahead only: each role reads its own file on its own node, all at once, checking every checksum
+        as it reads; a step whose file is found damaged is passed over for the one before it."""
         for step in reversed(self.store.committed_steps()):
             problems = self.store.check(step)
             manifest = None if problems else self.store.manifest(step)
+            inflight = []
+            if not problems:
+                try:
+                    inflight = self.store.read_inflight(manifest)
+                except DamagedFile as e:
+                    problems = [f"in-flight batches: {e}"]
             problems = problems or self._load(manifest)
             if not problems:
                 self.written = {r: info for r, info in manifest["roles"].items() if self.frozen.get(r)}
                 return (step, manifest["driver"], sum(info["bytes"] for r, info in manifest["roles"].items()
-                                                      if r in self.groups), self.store.read_inflight(manifest))
+                                                      if r in self.groups), inflight)
             log.warning("checkpoint step %d is unusable (%s); trying an older one", step, "; ".join(problems))
         return None
 
     def _load(self, manifest: dict) -> list[str]:
         """Every role of the run loads its file of `manifest`; what the roles found damaged."""
-        futures = {r: self.groups[r].load_checkpoint.future(str(self.store.root / info["path"]))
+        futures = {r: self.groups[r].load_checkpoint.future(str(self.store.path(info["path"], manifest["step"])))
                    for r, info in manifest["roles"].items() if r in self.groups}
         damaged = []
         for role, f in futures.items():
@@ -144,4 +150,4 @@ class RoleCheckpoints:
                 raise RoleStateLost(f"role {role} was rebuilt, but its state of step {snap[0]} was lost with the "
                                     f"node that held it ({type(e).__name__}); every role goes back to {back}") from None
         elif info:
-            self.groups[role].load_checkpoint(str(self.store.root / info["path"]))
+            self.groups[role].load_checkpoint(str(self.store.path(info["path"], steps[-1])))

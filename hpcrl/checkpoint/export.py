@@ -71,7 +71,7 @@ def export_role(store: CheckpointStore, role: str, model_dir: str | Path, out_di
         manifest = store.manifest(step)
     if role not in manifest["roles"]:
         raise ValueError(f"step {step} has no role {role!r} (it has: {', '.join(manifest['roles'])})")
-    state, _ = read_role_file(store.root / manifest["roles"][role]["path"])
+    state, _ = read_role_file(store.path(manifest["roles"][role]["path"], step))
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(dtype) or _config_dtype(config)
     staged = out.with_name(f".{out.name}.tmp{os.getpid()}")

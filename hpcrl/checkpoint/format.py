@@ -33,6 +33,11 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]):
         tensors[path] = obj
         return {"__t__": path}
     if isinstance(obj, np.ndarray):
+        if obj.dtype.kind == "O":       # per-sample values of a Batch (texts, lists, dicts): each kept as itself
+            return {"__obj__": [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(obj.reshape(-1))],
+                    "shape": list(obj.shape)}
+        if obj.dtype.kind == "U":
+            return {"__str__": obj.tolist(), "dtype": obj.dtype.str}
         tensors[path] = torch.from_numpy(obj)
         return {"__np__": path}
     if isinstance(obj, dict):
@@ -43,8 +48,8 @@ def _flatten(obj: Any, path: str, tensors: dict[str, torch.Tensor]):
         return items if isinstance(obj, list) else {"__tuple__": items}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
-    if isinstance(obj, np.generic):
-        return obj.item()
+    if isinstance(obj, np.generic) and obj.dtype.kind in "biufU":     # its dtype kept: np.float32 stays one
+        return {"__npg__": obj.dtype.str, "v": obj.item()}
     if isinstance(obj, torch.dtype):      # megatron's optimizer state is keyed by dtype
         return {"__dtype__": str(obj).removeprefix("torch.")}
     raise TypeError(f"checkpoint: cannot store {type(obj).__name__} at {path}")
@@ -62,6 +67,15 @@ def _unflatten(node: Any, read):
             return read(node["__np__"]).numpy()
         if "__dtype__" in node:
             return getattr(torch, node["__dtype__"])
+        if "__obj__" in node:
+            out = np.empty(len(node["__obj__"]), dtype=object)
+            for i, v in enumerate(node["__obj__"]):     # one at a time: np.array would make lists a dimension
+                out[i] = _unflatten(v, read)
+            return out.reshape(node["shape"])
+        if "__str__" in node:
+            return np.array(node["__str__"], dtype=node["dtype"])
+        if "__npg__" in node:
+            return np.dtype(node["__npg__"]).type(node["v"])
         if "__tuple__" in node:
             return tuple(_unflatten(v, read) for v in node["__tuple__"])
         return {_unflatten(k, read): _unflatten(v, read) for k, v in node["__d__"]}
@@ -105,8 +119,19 @@ def from_arrays(skeleton, arrays: dict[str, tuple[np.ndarray, str]]) -> dict:
 
 
 def file_attrs(skeleton, attrs: dict) -> dict:
-    """The attributes of a role file, the same whichever path writes it."""
-    return {"skeleton": json.dumps(skeleton), "format_version": FORMAT_VERSION, "hpcrl_version": __version__, **attrs}
+    """The attributes of a role file, the same whichever path writes it; the skeleton (the state's
+    structure and every value that is not a tensor) has a checksum of its own, as each dataset has."""
+    text = json.dumps(skeleton)
+    return {"skeleton": text, "skeleton_crc32": zlib.crc32(text.encode()), "format_version": FORMAT_VERSION,
+            "hpcrl_version": __version__, **attrs}
+
+
+def skeleton_problem(attrs) -> str | None:
+    """Why a file's skeleton cannot be trusted (its checksum fails), or None (files before the
+    checksum have none to check)."""
+    if "skeleton_crc32" in attrs and zlib.crc32(str(attrs["skeleton"]).encode()) != int(attrs["skeleton_crc32"]):
+        return "its skeleton (the state's structure and values) fails its checksum"
+    return None
 
 
 def refuse_if_it_cannot_fit(path: Path, size: int) -> None:
@@ -170,6 +195,8 @@ def read_role_file(path: Path) -> tuple[dict, dict]:
     import h5py
 
     with h5py.File(path, "r", locking=False) as f, ThreadPoolExecutor(1, thread_name_prefix="hpcrl-crc") as pool:
+        if problem := skeleton_problem(f.attrs):
+            raise DamagedFile(f"{path}: {problem}")
         checks = []
 
         def read(name: str) -> torch.Tensor:
@@ -200,6 +227,8 @@ def verify_role_file(path: Path) -> str | None:
         return found
     try:
         with h5py.File(path, "r", locking=False) as f:
+            if problem := skeleton_problem(f.attrs):
+                return f"{path.name}: {problem}"
             json.loads(f.attrs["skeleton"])
             for name, ds in datasets(f):
                 if ds.ndim == 0:

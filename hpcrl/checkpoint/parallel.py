@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcrl.files import replace_durably, writing
+from hpcrl.files import private_dir, replace_durably, writing
 from hpcrl.probe import interpreter_problem
 from hpcrl.slurm.mpi_step import inside_job, run_mpi_step
 
@@ -88,7 +88,7 @@ def _stage(path: Path, state: dict, attrs: dict, rank: int, world: int) -> None:
 
     skeleton, arrays = tensor_arrays(state)
     d = staging_dir(path)
-    d.mkdir(mode=0o700, exist_ok=True)
+    private_dir(d)       # a predictable name in a shared /dev/shm: refused unless ours alone
     placed, parts, offset = {}, [], 0
     for name, (arr, _) in arrays.items():
         if arr.ndim == 0:

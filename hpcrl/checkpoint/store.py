@@ -2,7 +2,7 @@
 
     RUN_DIR/ckpt/step_00000120/actor_rollout.h5   one file per role, written by the role itself
     RUN_DIR/ckpt/step_00000120/critic.h5
-    RUN_DIR/ckpt/step_00000120/inflight.pkl       a pipelined run's batches generated ahead (inflight.py)
+    RUN_DIR/ckpt/step_00000120/inflight.h5        a pipelined run's batches generated ahead (inflight.py)
     RUN_DIR/ckpt/step_00000120/MANIFEST.json      written last by the driver: the step counts only now
     RUN_DIR/ckpt/LATEST                           "step_00000120", updated after the manifest
 
@@ -11,7 +11,8 @@ format.py), so a crash at any moment leaves the previous committed step intact; 
 step's manifest and file sizes, `verify` also at every checksum (a block at a time), and
 `latest_good` walks back past a damaged one. A resuming run reads no role file in the driver: each
 role checks its own as it loads it (hpcrl/checkpoint/commit.py). Frozen roles are
-written once; later manifests point to that file.
+written once; later manifests point to that file. Every path a manifest names is taken only where it
+stays inside ckpt/ (`path`): a manifest changed to name /etc/passwd or ../../x is refused, not followed.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hpcrl.checkpoint.format import FORMAT_VERSION, verify_role_file
-from hpcrl.checkpoint.inflight import inflight_problem, read_inflight, write_inflight
-from hpcrl.files import atomic_write_text, free_bytes
+from hpcrl.checkpoint.inflight import (FILE, is_pickled, pickled_problem, read_inflight, refuse_pickled,
+                                       write_inflight)
+from hpcrl.files import atomic_write_text, confined, free_bytes
 from hpcrl.run_dir import RunDir
 
 log = logging.getLogger("hpcrl.checkpoint")
@@ -40,17 +42,31 @@ class CheckpointStore:
     def role_path(self, step: int, role: str) -> Path:
         return self.step_dir(step) / f"{role}.h5"
 
+    def path(self, relative: str, step: int) -> Path:
+        """A file step's manifest names (relative to ckpt/); UnsafePath where it leads out of ckpt/."""
+        return confined(self.root, relative, f"{self.step_dir(step) / 'MANIFEST.json'}")
+
     def write_inflight(self, step: int, batches: list) -> dict | None:
         """The batches generated ahead of `step`, for its manifest (None: there are none)."""
         if not batches:
             return None
-        path = self.step_dir(step) / "inflight.pkl"
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = self.step_dir(step) / FILE
         return {"path": str(path.relative_to(self.root)), **write_inflight(path, batches)}
 
     def read_inflight(self, manifest: dict) -> list:
+        """The batches generated ahead of the manifest's step; DamagedFile where a checksum fails,
+        PickledInflight where an earlier hpcrl pickled them."""
         info = manifest.get("inflight")
-        return read_inflight(self.root / info["path"]) if info else []
+        if not info:
+            return []
+        path = self.path(info["path"], manifest["step"])
+        if is_pickled(info):
+            raise refuse_pickled(path, self.root.parent)
+        return read_inflight(path)
+
+    def files(self, manifest: dict) -> dict[str, dict]:
+        """What the manifest's step is made of: role -> its file info, and "in-flight batches" where it has them."""
+        return {**manifest["roles"], **({"in-flight batches": manifest["inflight"]} if manifest.get("inflight") else {})}
 
     def commit(self, step: int, files: dict[str, dict], driver_state: dict, inflight: dict | None = None) -> Path:
         """The step exists from here on. files: role -> {"path" (relative to ckpt/), "bytes", ...};
@@ -79,14 +95,12 @@ class CheckpointStore:
         except (OSError, ValueError) as e:
             return [f"step {step}: manifest unreadable ({e})"]
         problems = []
-        for role, info in m["roles"].items():
-            path = self.root / info["path"]
+        for role, info in self.files(m).items():
+            path = self.path(info["path"], step)
             if not path.exists():
                 problems.append(f"{role}: {path.name} missing")
             elif path.stat().st_size != info["bytes"]:
                 problems.append(f"{info['path']}: {path.stat().st_size} bytes, the manifest says {info['bytes']}")
-        if m.get("inflight") and (problem := inflight_problem(self.root / m["inflight"]["path"], m["inflight"])):
-            problems.append(problem)
         return problems
 
     def verify(self, step: int) -> list[str]:
@@ -95,9 +109,13 @@ class CheckpointStore:
         problems = self.check(step)
         if problems:
             return problems
-        roles = self.manifest(step)["roles"]
-        with ThreadPoolExecutor(max(1, len(roles))) as pool:     # zlib runs beside the reads of the others
-            found = pool.map(lambda item: (item[0], verify_role_file(self.root / item[1]["path"])), roles.items())
+        files = self.files(self.manifest(step))
+
+        def verify(info: dict) -> str | None:
+            path = self.path(info["path"], step)
+            return pickled_problem(path, info) if is_pickled(info) else verify_role_file(path)
+        with ThreadPoolExecutor(max(1, len(files))) as pool:     # zlib runs beside the reads of the others
+            found = pool.map(lambda item: (item[0], verify(item[1])), files.items())
             return [f"{role}: {problem}" for role, problem in found if problem]
 
     def refused_write(self, why: str, step: int) -> str:

@@ -7,19 +7,35 @@ it starts the process group (gloo on CPU, nccl on GPU), builds one Worker per ro
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import io
 import json
 import os
+import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from hpcrl.controller import startup
 from hpcrl.run_dir import rank_calls, rank_log
+
+STACKS_SIGNAL = signal.SIGRTMIN + 5
+"""Asks a worker process for its Python threads' stacks (faulthandler writes them, even while the
+process is stuck in C with the GIL held). hpcrl's own: USR1 and USR2 are the job's checkpoint signals."""
+
+
+def stacks_path(log_dir: str | None, role: str, rank: int, pid: int) -> Path:
+    """Where the process `pid` at `rank` (hosting `role` first) writes its stacks when asked."""
+    if log_dir:
+        return rank_log(log_dir, role, rank).with_suffix(".stacks")
+    return Path(tempfile.gettempdir()) / f"hpcrl-stacks-{pid}"
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,11 @@ class Worker:
     uses_gpus = True
     """False: on a GPU node the role's processes hold no GPU (a CPU-only role such as the
     environments, beside processes that each hold one) and run `processes_per_node` of them."""
+
+    @classmethod
+    def warm_up(cls) -> None:
+        """Import now what __init__ will (a model's code): an idle standby process calls it, so that
+        taking a dead rank over costs only __init__ itself. Touches no GPU."""
 
     @property
     def role(self) -> str:
@@ -110,6 +131,8 @@ class WorkerHost:
         self.workers: dict[str, Worker] = {}
         self.files, self.calls = {}, {}
         self.store: dist.TCPStore | None = None   # where its group meets: opened by rank 0, joined by the others
+        startup.mark("process")    # Python, Ray's worker and this module's imports (torch) are done
+        self.phases: dict[str, list[tuple[str, float, float]]] = {}
 
     def log_line(self, line: str, echo) -> None:
         prefixed = f"[{self.current} rank{self.rank}] {line}\n"
@@ -142,13 +165,20 @@ class WorkerHost:
         # instead of fixed blocks keep fragmentation (and allocator retries) down
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self._join(rank, world_size, master, timeout_s)
+        startup.mark("group")
+        shared, own = startup.count(), {}
         for role, (cls, args, kwargs) in workers.items():
             self.current = role
             print(f"rank {rank} of {world_size} on node {ray.util.get_node_ip_address()}, pid {os.getpid()}, {self.device}")
             worker = cls.__new__(cls)
             worker._ctx = WorkerContext(role, rank, world_size, self.device)
+            before = startup.count()
             worker.__init__(*args, **kwargs)
+            startup.mark("built")
             self.workers[role] = worker
+            own[role] = before, startup.count()
+        timed = startup.timed(startup.process_started())
+        self.phases = {role: timed[:shared] + timed[a:b] for role, (a, b) in own.items()}
         return os.getpid(), [str(g) for g in ray.get_gpu_ids()] if gpu_ids is None else gpu_ids
 
     def regroup(self, rank: int, world_size: int, master: tuple[str, int], timeout_s: float) -> tuple[int, list]:
@@ -179,6 +209,12 @@ class WorkerHost:
                 self.calls[role] = open(rank_calls(self.log_dir, role, rank), "a", buffering=1)
             if not isinstance(sys.stdout, RoleLog):
                 sys.stdout, sys.stderr = RoleLog(self, sys.__stdout__), RoleLog(self, sys.__stderr__)
+        stacks = stacks_path(self.log_dir, self.roles[0], rank, os.getpid())
+        stacks.parent.mkdir(parents=True, exist_ok=True)
+        if getattr(self, "stacks_file", None):
+            self.stacks_file.close()
+        self.stacks_file = open(stacks, "a")     # kept open: faulthandler writes to its descriptor
+        faulthandler.register(STACKS_SIGNAL, file=self.stacks_file, all_threads=True)
         gpu = torch.cuda.is_available()
         self.device = f"cuda:{torch.cuda.current_device()}" if gpu else "cpu"
         timeout = timedelta(seconds=timeout_s)
@@ -208,6 +244,18 @@ class WorkerHost:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def warm(self, workers: dict[str, tuple]) -> None:
+        """A standby process, idle until it takes a rank over: the roles' classes imported (unpickled
+        here) and what their warm_up imports."""
+        for cls, _, _ in workers.values():
+            cls.warm_up()
+        startup.mark("imports")
+
+    def startup(self) -> dict:
+        """How this process started: when (Unix time), and each role's phases (hpcrl.controller.startup)
+        in order, (phase, when it ended, seconds it took)."""
+        return {"started": startup.process_started(), "phases": self.phases}
 
 
 def gpu_memory() -> dict:

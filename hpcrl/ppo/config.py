@@ -430,8 +430,12 @@ class LoraSettings(Settings):
 
 class CheckpointSettings(Settings):
     """Committed checkpoints on shared storage, and snapshots in host memory."""
-    save_every: Count = 0
-    """steps between checkpoints (0: only when stopped by a signal or the deadline, and at the end)"""
+    save_every: Count | Literal["auto"] = "auto"
+    """steps between checkpoints, what survives a lost node or an out-of-memory kill. auto: by time,
+    as often as keeps the commits under 5% of the wall time (after a commit that held training c
+    seconds, the next c / 0.05 seconds later; at least 10 s apart, at most 30 min), the interval said
+    in the log and events.jsonl (checkpoint_interval). 0: only when stopped by a signal or the
+    deadline, and at the end"""
     save_last: bool = True
     """checkpoint after the last step (off for benchmarks that only time the steps)"""
     keep_last: Count = 3
@@ -450,8 +454,21 @@ class CheckpointSettings(Settings):
     process dies is rebuilt from its newer snapshot or committed checkpoint, and the updates made
     since are made again: it goes on with exactly the state it had. auto: as often as keeps the
     snapshots under 5% of the wall time (on a GPU a snapshot can take longer than a step). 0: no
-    snapshots (a rebuilt role then replays every update since the newest checkpoint; the driver
-    keeps their batches)"""
+    snapshots but those replay_limit asks for (a rebuilt role then replays every update since the
+    newest checkpoint; the driver keeps their batches)"""
+    replay_limit: Annotated[float, Field(gt=0)] = 1024.0
+    """MB of batches the driver may keep for the updates a rebuilt role would make again (those since
+    its snapshot or checkpoint); past it, the training roles are snapshotted at the end of the step
+    whatever snapshot_every says, which lets the kept batches go"""
+
+    @field_validator("save_every", "snapshot_every", mode="before")
+    @classmethod
+    def _count_or_auto(cls, v):
+        if isinstance(v, str) and v.isdigit():
+            v = int(v)
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError(f"{v!r} is neither a number of steps (≥ 0; 0: never) nor \"auto\"")
 
 
 class LayoutSettings(Settings):
@@ -460,10 +477,31 @@ class LayoutSettings(Settings):
     """groups of roles that share one process per rank, e.g. [[actor_rollout, ref]]"""
     processes_per_node: dict[str, PositiveInt] = Field(default_factory=dict)
     """role -> processes per CPU node (a GPU node runs one per GPU)"""
-    standby: bool = False
-    """keep an idle process per rank so a dead rank is replaced without a process start"""
+    standby: bool | Literal["auto"] = "auto"
+    """keep an idle process per rank (its imports done, nothing reserved; started after the first step)
+    so a dead rank is replaced without a process start: true, false, or auto (the roles whose
+    processes hold GPUs)"""
     restart_limit: Count = 3
-    """rebuilds of one role allowed per hour before the run fails"""
+    """rebuilds of one role allowed per hour (a dead process, or ranks that missed a call's deadline)
+    before the run fails; for missed deadlines it stops at its last step, committed, and requeues"""
+
+
+class DeadlineSettings(Settings):
+    """How long a role call may take before its ranks count as hung: their Python stacks go to the
+    role's log and `hpcrl status`, and they are rebuilt with their state and the call made again, as
+    for a dead process (layout.restart_limit). Learned per kind of call (role and method) from the run."""
+    floor: Annotated[float, Field(gt=0)] = 300.0
+    """seconds no learned deadline goes under"""
+    factor: Annotated[float, Field(ge=1)] = 5.0
+    """a call's deadline: this many times the slowest of its kind's recent calls (at least `floor`)"""
+    first: Annotated[float, Field(gt=0)] = 1800.0
+    """seconds for a kind's first call in new processes (it may compile, warm up, allocate: not
+    learned from), and for a role's processes to start and build their workers"""
+    window: PositiveInt = 20
+    """how many recent calls of a kind the deadline is learned from"""
+    calls: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """fixed deadlines in seconds, by method (`generate_sequences: 3600`) or `role.method`
+    (`critic.update_critic: 900`, which wins), instead of learned ones"""
 
 
 class EnvironmentSettings(Settings):
@@ -531,6 +569,8 @@ class TrainConfig(Settings):
     """committed checkpoints, and snapshots in host memory"""
     layout: LayoutSettings = Field(default_factory=LayoutSettings)
     """processes per role, colocation, restarts"""
+    deadlines: DeadlineSettings = Field(default_factory=DeadlineSettings)
+    """how long a role call may take before its ranks count as hung"""
     environment: EnvironmentSettings = Field(default_factory=EnvironmentSettings)
     """multi-turn episodes with an environment (tools, games, code execution)"""
 

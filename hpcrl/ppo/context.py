@@ -28,14 +28,15 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from hpcrl.checkpoint.cadence import SnapshotCadence
+from hpcrl.checkpoint.cadence import CommitCadence, SnapshotCadence
 from hpcrl.checkpoint.commit import RoleCheckpoints
 from hpcrl.checkpoint.store import CheckpointStore
-from hpcrl.controller import ResourcePoolError, WorkerGroup, follow_nodes
+from hpcrl.controller import CallAbandoned, ResourcePoolError, RoleHung, WorkerGroup, follow_nodes
 from hpcrl.controller.batch import Batch
 from hpcrl.importing import import_object
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.observe.metrics import MetricsLog
+from hpcrl.observe.startup import StartupClock, slowest_phases
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig, Scorer
 from hpcrl.ppo.data import PromptDataset
@@ -46,6 +47,16 @@ from hpcrl.stop import StopRequest
 
 Driver = Callable[["RunContext"], "str | None"]
 """A training loop: returns None when done, or the reason it stopped early at a committed checkpoint."""
+
+
+class Boundary(NamedTuple):
+    """The end of the newest step done: what a checkpoint of it would hold, for a stop that comes
+    while a later call runs (or hangs) to commit it."""
+    step: int
+    state: dict | None      # the driver's state given to end_step
+    inflight: Callable[[], list]
+    dataset: dict           # the data cursor
+    calls: dict             # WorkerGroup -> its calls_issued() there
 
 
 class Resumed(NamedTuple):
@@ -113,6 +124,23 @@ def weighted_scores(batch: Batch, scorers: list[Scorer]) -> torch.Tensor:
     return total
 
 
+class Inputs(NamedTuple):
+    """What the driver reads before its first step besides the roles: the policy's tokenizer, the
+    training prompts and the held-out ones (or None), tokenized."""
+    tokenizer: object
+    dataset: PromptDataset
+    held_out: PromptDataset | None
+
+    @classmethod
+    def read(cls, cfg: TrainConfig, model_dir: Path, prompts: Path) -> Inputs:
+        tokenizer = load_tokenizer(model_dir)
+        environment = cfg.environment
+        tools = import_object(environment.cls).tool_schemas(**environment.kwargs) if environment.cls else None
+        return cls(tokenizer, *(PromptDataset(path, tokenizer, cfg.data.batch_size, cfg.seed, cfg.data.max_prompt_length,
+                                              tools) if path else None
+                                for path in (prompts, cfg.validation.dataset and Path(cfg.validation.dataset))))
+
+
 @dataclass
 class RunContext:
     """A run as a driver sees it, built by `hpcrl.ppo.loop.train` once the roles are up. Besides
@@ -140,16 +168,15 @@ class RunContext:
     """the training prompts' file"""
     history: list[dict] = field(default_factory=list)
     """the metrics records logged in this start"""
+    startup: StartupClock | None = None
+    """says the phases of this start (hpcrl/observe/startup.py); `log` ends its last with the first step's record"""
+    inputs: Inputs | None = None
+    """the tokenizer and prompts, when already read (`Inputs.read`); read here otherwise"""
 
     def __post_init__(self):
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(self.model_dir)
         environment = cfg.environment
-        tools = import_object(environment.cls).tool_schemas(**environment.kwargs) if environment.cls else None
-        self.dataset = PromptDataset(self.prompts, self.tokenizer, cfg.data.batch_size, cfg.seed,
-                                     cfg.data.max_prompt_length, tools)
-        self.held_out = PromptDataset(Path(cfg.validation.dataset), self.tokenizer, cfg.data.batch_size, cfg.seed,
-                                      cfg.data.max_prompt_length, tools) if cfg.validation.dataset else None
+        self.tokenizer, self.dataset, self.held_out = self.inputs or Inputs.read(cfg, self.model_dir, self.prompts)
         generator = self.groups.get("rollout") or self.groups["actor_rollout"]
         self.episodes = Episodes(cfg, generator, self.groups["env"], self.tokenizer,
                                  lambda failed: print(f"{now()} {failed}", flush=True)) if environment.cls else None
@@ -163,6 +190,7 @@ class RunContext:
                                            {r: g for r, g in self.groups.items() if r != "rollout"},
                                            cfg.checkpoint.async_save, self._committed)
         self.snapshot_cadence = SnapshotCadence(cfg.checkpoint.snapshot_every)
+        self.commit_cadence = CommitCadence(cfg.checkpoint.save_every)
         self.snapshot_spills: list[str] | None = None    # checked at the first snapshot
         self.generating: Callable[[], list[int]] = lambda: []
         for role, wg in self.groups.items():
@@ -170,6 +198,12 @@ class RunContext:
                 wg.on_change(self._rebuild_listener(role))
             if wg.elastic:
                 wg.on_resize(self._resize_listener(role))
+        self.committing = False      # a checkpoint is being written: a stop does not give up its calls
+        self.boundary = self._boundary(0)
+        for wg in self._process_groups():
+            wg.stop_when(lambda: None if self.committing else self.stop.check())
+            wg.on_hang(self._hang_listener)
+            wg.on_deadline(self._deadline_listener)
 
     def generate(self, prompts: Batch):
         """The batch generated from `prompts` by the generating role (rollout, or actor_rollout): a
@@ -210,7 +244,68 @@ class RunContext:
               + (f"; batches of steps {ahead} were generated ahead" if ahead else ""), flush=True)
         self.status.event("start", step=step, resumed=True, total_steps=self.cfg.total_steps)
         self._satellites_at_start(step)
+        self.boundary = self._boundary(step)
         return Resumed(step, state, list(inflight))
+
+    def _process_groups(self) -> list[WorkerGroup]:
+        """One WorkerGroup per set of processes (colocated roles share theirs)."""
+        out: list[WorkerGroup] = []
+        for wg in self.groups.values():
+            if not any(wg.shares_processes_with(o) for o in out):
+                out.append(wg)
+        return out
+
+    def _boundary(self, step: int, state: dict | None = None, inflight: Callable[[], list] = list) -> Boundary:
+        return Boundary(step, state, inflight, self.dataset.state_dict(),
+                        {wg: wg.calls_issued() for wg in self.groups.values()})
+
+    def stop_at_boundary(self, error: CallAbandoned | RoleHung) -> str:
+        """A call was given up (a stop came while it ran past its usual time, or its ranks hung past
+        layout.restart_limit): every role goes back to its state at the end of the newest step done
+        (processes that ran past it are rebuilt from their snapshot or checkpoint and the calls up
+        to there), which is committed, and the run stops there. Returns why (the job requeues)."""
+        b, self.committing = self.boundary, True
+        reason = self.stop.reason if isinstance(error, CallAbandoned) else f"{error}; stopped at step {b.step}"
+        print(f"{now()} {error}", flush=True)
+        self.status.phase(b.step, "checkpoint")       # the step the run stops after
+        steps = self.checkpoints.store.committed_steps()
+        if b.step and not (steps and steps[-1] >= b.step):
+            for wg in self._process_groups():
+                sharing = [g for g in self.groups.values() if g.shares_processes_with(wg)]
+                if wg.busy() or any(g.calls_issued() > b.calls[g] for g in sharing):
+                    self.checkpoints.pending = None     # a background write of those processes is gone with them
+                    wg.roll_back({g: b.calls[g] for g in sharing})
+            self.dataset.load_state_dict(b.dataset)
+            self.checkpoint(b.step, b.state, inflight=b.inflight())
+        self.checkpoints.finish()
+        steps = self.checkpoints.store.committed_steps()
+        print(f"{now()} stopped after step {b.step}; "
+              + (f"checkpoint step {steps[-1]} committed" if steps else "nothing committed: the run starts over"),
+              flush=True)
+        return reason
+
+    def _replay_full(self) -> bool:
+        """Whether the batches kept to make a rebuilt role's updates again (since its snapshot or
+        checkpoint) passed train.checkpoint.replay_limit: a snapshot then lets them go. (Dropping them
+        instead would leave a rebuilt role nothing to go back to but the last commit, for every role.)"""
+        kept = max((wg.replay_size() for wg in self._process_groups()), key=lambda size: size[1])
+        if kept[1] <= self.cfg.checkpoint.replay_limit * 1e6:
+            return False
+        print(f"{now()} {kept[0]} updates kept for a rebuilt role to make again hold {kept[1] / 1e6:.3g} MB, more "
+              f"than train.checkpoint.replay_limit ({self.cfg.checkpoint.replay_limit} MB): a snapshot now", flush=True)
+        return True
+
+    def _hang_listener(self, hang: dict) -> None:
+        role = hang["call"].split(".")[0]
+        self.status.event("hang", role=role, step=self.status.doc["step"], call=hang["call"], ranks=hang["ranks"],
+                          deadline=hang["deadline_s"], waited=hang["waited_s"])
+        print(f"{now()} role {role}: ranks {hang['ranks']} did not answer {hang['call']} within its deadline of "
+              f"{hang['deadline_s']:.0f} s; their stacks are in {RunDir(self.run_dir).logs}/{role}/rank<k>.log",
+              flush=True)
+
+    def _deadline_listener(self, call: str, seconds: float) -> None:
+        self.status.event("deadline", role=call.split(".")[0], step=self.status.doc["step"], call=call,
+                          seconds=round(seconds, 1))
 
     def _satellites_at_start(self, step: int) -> None:
         """An elastic role whose satellites joined before its group was built starts with their
@@ -231,26 +326,36 @@ class RunContext:
         and the metrics size; `inflight`: batches made ahead of `step` (kept bitwise). background:
         write while training goes on (train.checkpoint.async_save), committed by the next checkpoint or the end."""
         self.status.phase(step, "checkpoint")
-        self.checkpoints.save(step, {"step": step, **(state or {}), "dataset": self.dataset.state_dict(),
-                                     "metrics_bytes": self.metrics.size()}, background=background, inflight=inflight)
+        committing, self.committing = self.committing, True
+        try:
+            self.checkpoints.save(step, {"step": step, **(state or {}), "dataset": self.dataset.state_dict(),
+                                         "metrics_bytes": self.metrics.size()}, background=background, inflight=inflight)
+        finally:
+            self.committing = committing
 
     def end_step(self, step: int, state: dict | None = None, inflight: Callable[[], list] = list) -> str | None:
-        """After each step: the checkpoint train: asks for (every save_every steps, in the
-        background with async_save; after the last step with save_last) and the one a stop request
+        """After each step: the checkpoint train: asks for (as save_every says, in the background
+        with async_save; after the last step with save_last) and the one a stop request
         asks for, then the stop; else the roles' snapshots (as snapshot_every says: the state a
-        rebuilt role takes back) and the elastic roles follow their nodes (follow_nodes). Returns
+        rebuilt role takes back), the standby processes start after the first (layout.standby), and the
+        elastic roles follow their nodes (follow_nodes). Returns
         why to stop now (return it from the driver), or None. `inflight()`: the batches made ahead
         of `step`, collected only when a checkpoint is taken."""
         cfg, reason = self.cfg, self.stop.check()
-        every = cfg.checkpoint.save_every
-        saved = reason or (step == cfg.total_steps and cfg.checkpoint.save_last) or (every and step % every == 0)
+        last = step == cfg.total_steps
+        periodic = not reason and self.commit_cadence.due(step)
+        saved = reason or (last and cfg.checkpoint.save_last) or periodic
         background = not reason and step < cfg.total_steps
         if saved:
+            t0 = time.perf_counter()
             self.checkpoint(step, state, background=background, inflight=inflight())
+            if periodic:
+                self._said_interval(self.commit_cadence.took(time.perf_counter() - t0), step)
         if reason:
             return self.stopped(step, reason)
+        self.boundary = self._boundary(step, state, inflight)
         # a committed file is a rebuilt role's way back as well: no snapshot of the same step beside it
-        if self.snapshot_cadence.due(step) and step < cfg.total_steps and \
+        if (self.snapshot_cadence.due(step) or self._replay_full()) and step < cfg.total_steps and \
                 not (saved and not (background and cfg.checkpoint.async_save)):
             t0 = time.perf_counter()
             kept = self.checkpoints.take_snapshots(step)
@@ -260,8 +365,20 @@ class RunContext:
                 for warning in self.snapshot_spills:
                     print(f"{now()} warning: {warning}", flush=True)
             self.status.snapshotted(step, sum(kept.values()), self.snapshot_cadence.cost, self.snapshot_spills)
+        for wg in self.groups.values():      # once the start is over (layout.standby)
+            wg.start_standby()
         self.follow_nodes()
         return None
+
+    def _said_interval(self, interval: float | None, step: int) -> None:
+        """save_every auto's interval, in the log and events.jsonl, when it is new or changed."""
+        if interval is None:
+            return
+        cost = self.commit_cadence.cost
+        print(f"{now()} periodic checkpoints every {interval:.0f} s (save_every: auto; the last held training "
+              f"{cost:.2f} s, {cost / (cost + interval):.1%} of the wall time): a lost node costs at most that",
+              flush=True)
+        self.status.event("checkpoint_interval", step=step, seconds=round(interval, 3), cost=round(cost, 3))
 
     def follow_nodes(self) -> None:
         """The elastic roles (reward, ref, rollout, your own stateless roles) take the nodes that
@@ -282,6 +399,8 @@ class RunContext:
 
     def log(self, record: dict) -> None:
         """One metrics record (a step's, or a validation's): metrics.jsonl, trackers, history."""
+        if self.startup is not None:
+            self.startup.logged(record)
         self.metrics.write(record)
         self.history.append(record)
 
@@ -297,18 +416,21 @@ class RunContext:
         """Says in events.jsonl when a role is rebuilt and back, and in the log when batches are
         generated ahead meanwhile (`generating`): the rollout goes on with them, the step waits
         only for that role."""
-        was = ["alive"]
+        was, since = ["alive"], [0.0]
 
         def changed() -> None:
             state = self.groups[role].describe()["state"]
             if state == "restarting" and was[0] != "restarting":
+                since[0] = time.time()
                 steps = self.generating()
                 self.status.event("rebuild", role=role, step=self.status.doc["step"], generating=steps)
                 if steps:
                     print(f"{now()} role {role} is being rebuilt; meanwhile the rollout goes on generating "
                           f"the batches of steps {steps}", flush=True)
             elif state == "alive" and was[0] == "restarting":
-                self.status.event("rebuilt", role=role, step=self.status.doc["step"])
+                self.status.event("rebuilt", role=role, step=self.status.doc["step"],
+                                  seconds=round(time.time() - since[0], 3),
+                                  phases=slowest_phases(self.groups[role].startup(), since[0]))
             was[0] = state
         return changed
 

@@ -72,6 +72,12 @@ class Lookahead:
         make them again)."""
         return [g.collect() for g in self.ahead]
 
+    def held(self) -> Callable[[], list[Batch]]:
+        """collect() of the batches generated ahead now, to call later (a stop that commits this step
+        boundary after the next step began)."""
+        ahead = list(self.ahead)
+        return lambda: [g.collect() for g in ahead]
+
     def refill(self, step: int, draw: int) -> Generation:
         """One more batch for `step` (dynamic sampling's refill number `draw`), from the next prompts;
         its groups numbered after those of the batches before it."""

@@ -46,14 +46,16 @@ import torch
 
 from hpcrl import algo
 from hpcrl.checkpoint.store import CheckpointStore
-from hpcrl.controller import ResourcePool, RoleStateLost, WorkerGroup
+from hpcrl.controller import CallAbandoned, DeadlinePolicy, ResourcePool, RoleHung, RoleStateLost, WorkerGroup
 from hpcrl.controller.batch import Batch
+from hpcrl.controller.startup import process_started
 from hpcrl.files import StorageError, storage_failure
 from hpcrl.models import CharTokenizer, create_model_dir
 from hpcrl.observe.metrics import MetricsLog
+from hpcrl.observe.startup import StartupClock
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.context import Driver, RunContext, now, weighted_scores
+from hpcrl.ppo.context import Driver, Inputs, RunContext, now, weighted_scores
 from hpcrl.ppo.generation import Generation, Lookahead, WeightSync
 from hpcrl.ppo.episodes import episode_scores, turn_rewards
 from hpcrl.ppo.roles import ActorRollout, Critic, Environments, Reference, RewardModel, Rollout, RuleReward
@@ -101,7 +103,9 @@ def build_worker_groups(cfg: TrainConfig, model_dir: Path, run_dir: Path,
     own = own or {}
     workers = {r: (cls, () if r in own else builtin_args[r], dict(own[r][1]) if r in own else {})
                for r, cls in worker_classes(cfg, own).items()}
-    opts = {"log_dir": paths.logs, "restart_limit": cfg.layout.restart_limit, "standby": cfg.layout.standby}
+    d = cfg.deadlines
+    opts = {"log_dir": paths.logs, "restart_limit": cfg.layout.restart_limit, "standby": cfg.layout.standby,
+            "deadlines": DeadlinePolicy(d.floor, d.factor, d.first, d.window, dict(d.calls))}
 
     def colocated(together: list[str]) -> dict[str, WorkerGroup]:
         pool = ResourcePool.for_role(together[0], cfg.layout.processes_per_node.get(together[0]), len(together),
@@ -210,22 +214,35 @@ class _Timer:
 
 def train(cfg: TrainConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None = None,
           stop: StopRequest | None = None, metrics: dict | None = None, own: dict[str, tuple[str, dict]] | None = None,
-          driver: Driver | None = None) -> tuple[list[dict], str | None]:
+          driver: Driver | None = None, began: tuple[float, str, list] | None = None) -> tuple[list[dict], str | None]:
     """Train to cfg.total_steps with `driver` (the built-in PPO loop, `ppo`, when None), resuming
     from the run's newest good checkpoint. Returns (this call's metrics records, why it stopped early
     or None). RUN_DIR/status.json and events.jsonl say what it is doing (hpcrl status, hpcrl
     report); `metrics` adds trackers (MetricsLog's tensorboard, wandb); `own`: your own roles
-    (build_worker_groups)."""
+    (build_worker_groups). `began`: when this start began, since what, and its phases before the
+    driver's (hpcrl/observe/startup.py; default: since this process started)."""
     run_dir = Path(run_dir)
     status = RunStatus(run_dir, cfg.total_steps)
+    clock = StartupClock(status, *(began or (process_started(), "the driver's start", [("driver", time.time())])))
     model_dir, prompts_path = prepare_inputs(cfg, run_dir)
     log = None
     try:
         log = MetricsLog(run_dir, **(metrics or {}))
-        groups = groups or build_worker_groups(cfg, model_dir, run_dir, own)
+        # the tokenizer and prompts are read while the roles start: on a GPU node through Slurm the driver's
+        # transformers import and its tokenizing of 4,300 prompts took 6.9 s after the roles were up
+        with ThreadPoolExecutor(1, thread_name_prefix="hpcrl-inputs") as reading:
+            inputs = reading.submit(Inputs.read, cfg, model_dir, prompts_path)
+            if groups is None:
+                groups = build_worker_groups(cfg, model_dir, run_dir, own)
+                clock.roles({r: wg.startup() for r, wg in groups.items()})
         status.attach(groups)
-        ctx = RunContext(cfg, run_dir, groups, model_dir, status, stop or StopRequest(), log, prompts_path)
-        reason = (driver or ppo)(ctx)
+        ctx = RunContext(cfg, run_dir, groups, model_dir, status, stop or StopRequest(), log, prompts_path, startup=clock,
+                         inputs=inputs.result())
+        try:
+            reason = (driver or ppo)(ctx)
+        except (CallAbandoned, RoleHung) as e:     # the last step done is committed; the job requeues
+            reason = ctx.stop_at_boundary(e)
+        ctx.committing = True
         ctx.checkpoints.finish()
     except RoleStateLost as e:     # the job requeues; its next start resumes every role from the newest committed step
         print(f"{now()} {e}: the run stops here", flush=True)
@@ -362,7 +379,7 @@ def ppo(ctx: RunContext) -> str | None:
         # 4. checkpoint: periodically, at the end, and when asked to stop (then stop); with the
         # batches generated ahead, which a resumed run could not make again
         if reason := ctx.end_step(step, {"kl_coef": kl_ctl.value, "policy_version": weights.version},
-                                  inflight=lookahead.collect):
+                                  inflight=lookahead.held()):
             return reason
     return None
 

@@ -107,6 +107,9 @@ METRICS: dict[str, Metric] = {
                                        "falls in the next step's `timing/generate`)"),
     "timing/validate": Metric("s", "the validation after this step, when there was one"),
     "timing/step": Metric("s", "the whole step, validation included, checkpoint not"),
+    "timing/startup": Metric("s", "on the first step of each start of the run only: from the start's beginning (the "
+                                  "submission, the end of the start before it, or the driver's start for a local run) "
+                                  "to the end of this step; the `startup` events say where the time went"),
     "throughput/tokens_per_s": Metric("tokens/s", "prompt and response tokens of the step's batch (padding not "
                                                   "counted) per second of the step, validation not counted"),
 }

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,6 +26,9 @@ from hpcrl.run_dir import RunDir
 from hpcrl.slurm.allocation import node_name
 
 POLL_S = 0.1
+# Ray's longest socket path is FOLDER/ray/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store, and a Unix
+# socket's path holds at most 107 bytes: what is left for FOLDER (ray_temp_dir)
+RAY_TEMP_ROOM = 107 - len("/ray/session_2025-01-01_00-00-00_000000_4194304/sockets/plasma_store")
 
 
 def ray_env(run_dir: Path) -> dict[str, str]:
@@ -110,23 +114,55 @@ def start_ray(cmd: list[str], env: dict, log_path: Path) -> tuple[subprocess.Pop
     return proc, started
 
 
+def ray_temp_dir(prefix: str) -> Path:
+    """A fresh folder for one node's Ray, made as mkdtemp makes one: 0700, a random name, never a
+    folder or link someone else put there first (a shared /tmp). Ray's own --temp-dir is its `ray`
+    folder: Ray opens the folders it makes to everyone (0777, for users sharing a machine's Ray),
+    which this one keeps closed. In $TMPDIR, or in /tmp where $TMPDIR is too long a path for Ray's
+    sockets (RAY_TEMP_ROOM)."""
+    base = os.environ.get("TMPDIR") or "/tmp"
+    if len(os.path.join(base, prefix)) + 8 > RAY_TEMP_ROOM:      # mkdtemp adds 8 characters
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def copy_logs(logs: Path, to: Path) -> None:
+    """A node's Ray logs (node-local) into the run directory, each file as a new one of this job (the
+    umask's mode, not the 0777 of Ray's folders); a link whose target is gone is left out."""
+    for f in logs.rglob("*"):
+        if f.is_file():
+            (to / f.relative_to(logs)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, to / f.relative_to(logs))
+
+
 class _NodeTask:
     """What a node task of either kind shares: its run directory, node name, log and temp dirs, the
     `ray start` command, and the stop it waits for (its run start's stop file, or a signal)."""
 
-    def __init__(self, run_dir: Path, cluster: dict, me: dict, log_name: str, temp_name: str):
+    def __init__(self, run_dir: Path, cluster: dict, me: dict, log_name: str, temp_prefix: str):
         self.paths, self.cluster, self.me = RunDir(run_dir), cluster, me
         self.stop_file = self.paths.ray_stop(cluster["run_id"])
         self.log_dir = self.paths.ray_logs
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.log_name = log_name
-        self.temp_dir = Path(os.environ.get("TMPDIR", "/tmp")) / temp_name
+        self.temp_prefix, self.temp_dir = temp_prefix, None      # made as Ray starts (ray_temp_dir)
         self.stop_asked: list[int] = []
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda s, f: self.stop_asked.append(s))
         # USR1/USR2 are the job's checkpoint signals: they are for the driver, not for Ray
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+    def wait_started(self, proc: subprocess.Popen, started: threading.Event) -> None:
+        """Until `ray start` says it is up, exits, or a stop comes; at most the cluster's start_timeout_s,
+        after which it is stopped (and exits: `serve` then says so, with its log)."""
+        deadline = time.monotonic() + self.cluster["start_timeout_s"]
+        while not started.wait(POLL_S) and proc.poll() is None and not self.stopping():
+            if time.monotonic() > deadline:
+                print(f"`ray start` did not come up within {self.cluster['start_timeout_s']:.0f} s; stopping it",
+                      file=sys.stderr, flush=True)
+                proc.terminate()
+                return
 
     def stopping(self) -> str | None:
         return "stopped before the head came up" if self.stop_asked or self.stop_file.exists() else None
@@ -147,7 +183,7 @@ class _NodeTask:
                f"--num-cpus={cpus}", f"--num-gpus={len(gpus)}",
                f"--object-store-memory={max(80, mem_mb * 3 // 10) * 1024 * 1024}",
                f"--resources={node_resources(me['members'])}", f"--labels={node_labels(self.cluster, me)}",
-               f"--temp-dir={self.temp_dir}", "--disable-usage-stats", *ports.ray_start_args(head),
+               "--disable-usage-stats", *ports.ray_start_args(head),
                # no driver reads workers' output (each rank logs to its own file): no log monitor
                "--include-log-monitor=false"]
         if head:
@@ -168,7 +204,12 @@ class _NodeTask:
         return None
 
     def start(self, cmd: list[str], env: dict) -> tuple[subprocess.Popen, threading.Event]:
-        return start_ray(cmd, env, self.log_dir / f"{self.log_name}.log")
+        self.temp_dir = ray_temp_dir(self.temp_prefix)
+        try:
+            return start_ray([*cmd, f"--temp-dir={self.temp_dir / 'ray'}"], env, self.log_dir / f"{self.log_name}.log")
+        except BaseException:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            raise
 
     def serve(self, proc: subprocess.Popen) -> int | None:
         """Until the run start's stop file, a signal, or Ray's own exit; then this node's Ray
@@ -181,9 +222,7 @@ class _NodeTask:
         finally:
             kill_session(proc.pid)
             proc.wait()
-            if (self.temp_dir / "session_latest").exists():  # node-local logs -> shared run dir
-                shutil.copytree(self.temp_dir / "session_latest" / "logs", self.log_dir / self.log_name,
-                                dirs_exist_ok=True, ignore_dangling_symlinks=True)
+            copy_logs(self.temp_dir / "ray" / "session_latest" / "logs", self.log_dir / self.log_name)
             shutil.rmtree(self.temp_dir, ignore_errors=True)
         return exited
 
@@ -199,7 +238,7 @@ def run_node(run_dir: Path) -> int:
     head = name == cluster["head"]["name"]
     ports = (PortBlock(cluster["head"]["ports"]["start"]) if head else
              choose_block(cluster["job_id"], me["index"], len(cluster["nodes"])))
-    task = _NodeTask(run_dir, cluster, me, name, f"hpcrl-ray-{cluster['job_id']}-{name}")
+    task = _NodeTask(run_dir, cluster, me, name, f"hpcrl-ray-{cluster['job_id']}-")
     print(f"[hpcrl] ray node {name} (component {me['component']}): python {sys.executable}", flush=True)
 
     mpi = cluster.get("bootstrap") == "mpi"
@@ -241,8 +280,7 @@ def run_node(run_dir: Path) -> int:
         return fail(f"cannot start Ray: {e}")
     if comm is not None:
         t0 = time.monotonic()
-        while not started.wait(POLL_S) and proc.poll() is None and not task.stopping():
-            pass
+        task.wait_started(proc, started)
         if head:
             rendezvous.share_head_address(comm, cluster["address"] if started.is_set() else "")
         joined = rendezvous.gather_started(comm, started.is_set())    # the readiness barrier, at rank 0
@@ -295,14 +333,13 @@ def run_satellite(run_dir: Path, role: str, run_id: str) -> int:
     job = this_job()
     me = {"name": name, "addr": job["addr"], "members": [role], "partition": job["partition"],
           "gpu_type": job["gpu_type"], "satellite": job["job_id"]}
-    task = _NodeTask(run_dir, cluster, me, f"{name}-satellite-{job['job_id']}", f"hpcrl-ray-{job['job_id']}-{name}")
+    task = _NodeTask(run_dir, cluster, me, f"{name}-satellite-{job['job_id']}", f"hpcrl-ray-{job['job_id']}-")
     cmd, env = task.command(dict(os.environ), choose_block(job["job_id"], 0, 1), head=False)
     why = task.wait_for_head()
     if why:
         return say(why, 1)
     proc, started = task.start(cmd, env)
-    while not started.wait(POLL_S) and proc.poll() is None and not task.stopping():
-        pass
+    task.wait_started(proc, started)
     if started.is_set():
         say(f"joined run start {run_id} at {cluster['address']} as {me['addr']}", 0)
     exited = task.serve(proc)

@@ -131,6 +131,8 @@ class HetJob:
     bootstrap: str = JobEnv.bootstrap   # how the Ray nodes find each other: poll, mpi or auto (hpcrl.raycluster.rendezvous)
     mpi: str = JobEnv.mpi         # srun --mpi plugin of an MPI bootstrap
     source_file: str = ""
+    secrets: tuple[str, ...] = ()   # variables the script reads from RUN_DIR/secrets.env at start (values never in it)
+    group_access: bool = False      # a new run directory is opened to the group (else 0700)
 
     def members(self) -> dict[str, int]:
         return {m: i for i, c in enumerate(self.components) for m in c.members}

@@ -8,7 +8,13 @@
                                              says which, and why, in the job log. Exits with the
                                              batch script's status: non-zero (the job ends FAILED)
                                              when training stopped before its last step and the
-                                             job neither requeues nor was cancelled
+                                             job neither requeues nor was cancelled.
+                                             Where Slurm requeued the job itself for a failed node
+                                             (the driver then dies with its steps), it makes the
+                                             requeue whole: Slurm 22.05 requeues only the hetjob
+                                             components up to the failed node's and leaves the
+                                             others to end FAILED with the batch script, so that
+                                             the job would pend forever
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import time
 
 from hpcrl.env_vars import EXIT_REQUEUE, JobEnv
 from hpcrl.run_dir import RunDir
-from hpcrl.slurm.cluster_info import SlurmCommandError, slurm_cmd
+from hpcrl.slurm.cluster_info import SlurmCommandError, parse_records, slurm_cmd
 
 
 def job_end_time(job_id: str) -> float | None:
@@ -36,6 +42,48 @@ def deadline() -> str:
     return "" if end is None else f"{end - JobEnv.read().signal_lead:.0f}"
 
 
+def requeued_components(job: str, count: int) -> tuple[list[int], list[int], str]:
+    """(components Slurm requeued since this start, the others, the failed node or '') of the
+    hetjob `job`, whose batch script started at restart `count`."""
+    recs = parse_records(slurm_cmd("scontrol", "show", "job", "-o", job))
+    done = sorted(int(r.get("HetJobOffset", 0)) for r in recs if int(r.get("Restarts", 0)) > count)
+    rest = sorted(int(r.get("HetJobOffset", 0)) for r in recs if int(r.get("Restarts", 0)) <= count)
+    failed = next((r["FailedNode"] for r in recs if r.get("FailedNode", "(null)") != "(null)"), "")
+    return done, rest, failed
+
+
+def after_node_failure(job: str, rc: int, count: int, limit: int, requeued: list[int], node: str) -> int:
+    """Slurm requeued components `requeued` of the hetjob for a failed node while this batch script
+    runs: requeue every component (`scontrol requeue` of the leader takes the ones still running;
+    it refuses the pending ones, so its status says nothing), or cancel them all where no restart
+    is left or hpcrl cancel asked. Never a job left with some components pending, others ended."""
+    env = JobEnv.read()
+    failure = f"Slurm requeued components {','.join(map(str, requeued))} of job {job} after the failure of " \
+              f"{'node ' + node if node else 'a node'} (the driver exited with {rc}: its error is above)"
+    why = ("hpcrl cancel asked" if RunDir(env.run_dir).cancel.exists() else
+           f"restart count {count} has reached max_restarts {limit}" if count >= limit else None)
+    if why is None:
+        print(f"[hpcrl] {failure}; requeueing the whole hetjob (restart {count + 1} of at most {limit}): the run "
+              "resumes from its last committed checkpoint", flush=True)
+        for _ in range(5):
+            try:
+                slurm_cmd("scontrol", "requeue", job)
+            except SlurmCommandError:
+                pass    # "Job is pending execution" for the components Slurm requeued
+            left = requeued_components(job, count)[1]
+            if not left:
+                return 0
+            time.sleep(1)
+        why = f"components {','.join(map(str, left))} refused to requeue"
+    print(f"[hpcrl] {failure}; not requeued: {why}: the whole hetjob is cancelled (CANCELLED); continue the run "
+          "from its last committed checkpoint with hpcrl submit --resume", flush=True)
+    try:
+        slurm_cmd("scancel", job)
+    except SlurmCommandError as e:
+        print(f"[hpcrl] scancel {job} refused ({e})", flush=True)
+    return rc
+
+
 def after(rc: int) -> int:
     """What the job does once its driver exited with rc; returns the batch script's exit status:
     0 when training finished, the job requeues (no failure: it goes on) or hpcrl cancel asked;
@@ -43,7 +91,15 @@ def after(rc: int) -> int:
     job = os.environ["SLURM_JOB_ID"]
     if rc == 0:
         return 0
+    count = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     if rc != EXIT_REQUEUE:
+        try:
+            requeued, _, node = requeued_components(job, count)
+        except SlurmCommandError as e:
+            print(f"[hpcrl] could not read job {job}'s state ({e})", flush=True)
+            requeued, node = [], ""
+        if requeued:
+            return after_node_failure(job, rc, count, JobEnv.read().max_restarts, requeued, node)
         print(f"[hpcrl] the driver exited with {rc} (its error is above): training did not finish; the job ends "
               "FAILED", flush=True)
         return rc
@@ -56,7 +112,7 @@ def after(rc: int) -> int:
         except SlurmCommandError as e:
             print(f"[hpcrl] scancel {job} refused ({e}); the job ends COMPLETED instead", flush=True)
         return 0
-    count, limit = int(os.environ.get("SLURM_RESTART_COUNT", "0")), env.max_restarts
+    limit = env.max_restarts
     why = ("requeue is off in the spec" if not env.requeue else
            f"restart count {count} has reached max_restarts {limit}" if count >= limit else None)
     if why:

@@ -71,7 +71,8 @@ def render_satellite(job: HetJob, main_job: str, run_id: str) -> str:
     c = job.components[0]
     return template_environment().get_template("satellite.sbatch.j2").render(
         job=job, c=c, version=__version__, main_job=main_job, run_id=run_id, output=output,
-        options=directives.component_lines(c)[0], run_dir_var=JobEnv.var("run_dir"))
+        options=directives.component_lines(c)[0], run_dir_var=JobEnv.var("run_dir"),
+        secrets_name=paths.secrets.name)
 
 
 def submit_satellite(job: HetJob, main_job: str, run_id: str) -> dict:

@@ -8,6 +8,7 @@ stdout()/stderr() and Checkpointable requeue stay submitit's. Tested with submit
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import time
 from pathlib import Path
@@ -32,6 +33,16 @@ LIVE = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIG
 
 class SubmitError(RuntimeError):
     pass
+
+
+STUCK_S = 60.0
+"""How long a hetjob may stay half-requeued before `wait` gives up on it."""
+
+
+def half_requeued(states: dict[int, str]) -> bool:
+    """Some components pending again, others ended: Slurm never starts such a hetjob (it waits for
+    resources of components that will not run again)."""
+    return any(s in TERMINAL for s in states.values()) and any(s in ("PENDING", "REQUEUED") for s in states.values())
 
 
 def component_states(job_id: str) -> dict[int, str]:
@@ -79,11 +90,21 @@ class JobHandle:
              on_change: Callable[[dict[int, str]], None] | None = None,
              on_poll: Callable[[], None] | None = None) -> dict[int, str]:
         """Block until every component reached a final state; returns the states. on_change gets
-        the states when they change, on_poll is called at every poll."""
+        the states when they change, on_poll is called at every poll. A hetjob left half-requeued
+        (half_requeued) for STUCK_S raises SubmitError saying so and how to go on."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        last = None
+        last, stuck_since = None, None
         while True:
             states = self.state()
+            stuck_since = (stuck_since or time.monotonic()) if half_requeued(states) else None
+            if stuck_since is not None and time.monotonic() - stuck_since >= STUCK_S:
+                ended = ", ".join(f"{i} {s}" for i, s in sorted(states.items()) if s in TERMINAL)
+                waiting = ", ".join(str(i) for i, s in sorted(states.items()) if s not in TERMINAL)
+                raise SubmitError(
+                    f"job {self.job_id} is half-requeued: components {ended}, while {waiting} are pending again, "
+                    f"for {STUCK_S:.0f} s: Slurm never starts it so. `scontrol requeue {self.job_id}` requeues "
+                    f"every component (the run resumes from its last checkpoint); or `scancel {self.job_id}` and "
+                    "later hpcrl submit --resume")
             if states != last and on_change is not None:
                 on_change(states)
             if on_poll is not None:
@@ -141,21 +162,60 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
                           "or choose another --run-dir; nothing there is overwritten")
 
 
-def write_spec(run_dir: Path, spec_data: dict | None) -> None:
-    """The run directory with its logs folder and, given, the spec the job's steps read back; a new
-    start of the run is not cancelled by an earlier `hpcrl cancel`."""
+def make_run_dir(run_dir: Path, group_access: bool = False) -> None:
+    """A new run directory is this user's alone (0700), or with group_access its group's too as far
+    as the umask lets (0770 less the umask); one that exists keeps its mode."""
+    run_dir = Path(run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(mode=0o770 if group_access else 0o700)
+    except FileExistsError:
+        pass
+
+
+def write_spec(run_dir: Path, spec_data: dict | None, group_access: bool = False) -> None:
+    """The run directory (make_run_dir) with its logs folder and, given, the spec the job's steps
+    read back; a new start of the run is not cancelled by an earlier `hpcrl cancel`."""
     paths = RunDir(run_dir)
-    paths.logs.mkdir(parents=True, exist_ok=True)
+    make_run_dir(paths.root, group_access)
+    paths.logs.mkdir(exist_ok=True)
     paths.cancel.unlink(missing_ok=True)
     if spec_data is not None:
         atomic_write_text(paths.spec, yaml.safe_dump(spec_data, sort_keys=False))
 
 
-def prepare_run_dir(job: HetJob, spec_data: dict | None, script: str) -> Path:
-    write_spec(job.run_dir, spec_data)
+def secret_values(names: list[str] | tuple[str, ...], environ=None) -> dict[str, str]:
+    """The values of the secrets `names` in this environment (hpcrl submit's); SubmitError naming
+    each one that is not set, before anything is written."""
+    environ = os.environ if environ is None else environ
+    missing = [n for n in names if n not in environ]
+    if missing:
+        raise SubmitError(f"secrets: {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set in this "
+                          f"environment: export {'it' if len(missing) == 1 else 'them'} before hpcrl submit (the "
+                          "values are read here and go to RUN_DIR/secrets.env only), or leave the name out of secrets")
+    return {n: environ[n] for n in names}
+
+
+def write_secrets(job: HetJob, values: dict[str, str]) -> None:
+    """RUN_DIR/secrets.env, created 0600 whatever the umask: the `export` lines the batch script
+    sources at start (never echoed); a container's steps get them as the host's other variables
+    (apptainer also by APPTAINERENV_, which --cleanenv keeps). No secrets: no file."""
+    path = RunDir(job.run_dir).secrets
+    if not values:
+        path.unlink(missing_ok=True)
+        return
+    apptainer = any(c.container and c.container.runtime == "apptainer" for c in job.components)
+    lines = [f"export {k}={shlex.quote(v)}" for k, v in values.items()]
+    lines += [f"export APPTAINERENV_{k}=\"${k}\"" for k in values] if apptainer else []
+    atomic_write_text(path, "\n".join(["# hpcrl secrets: sourced by job.sbatch; keep this file 0600", *lines, ""]),
+                      mode=0o600)
+
+
+def prepare_run_dir(job: HetJob, spec_data: dict | None, script: str, secrets: dict[str, str]) -> Path:
+    write_spec(job.run_dir, spec_data, job.group_access)
+    write_secrets(job, secrets)
     script_path = RunDir(job.run_dir).script
-    atomic_write_text(script_path, script)
-    script_path.chmod(0o755)
+    atomic_write_text(script_path, script, mode=0o777)    # executable as far as the umask lets
     return script_path
 
 
@@ -215,7 +275,7 @@ class HetjobExecutor(submitit.SlurmExecutor):
                              " ".join(shlex.quote(a) for a in srun) + " " + command])
         # submitit's own handler requeues on USR2 delivered to the step (no B:)
         script = render_hetjob(self.hetjob, payload=payload, signal=f"USR2@{self.hetjob.signal_lead_s}")
-        prepare_run_dir(self.hetjob, None, script)
+        prepare_run_dir(self.hetjob, None, script, secret_values(self.hetjob.secrets))
         return script
 
     def _num_tasks(self) -> int:
@@ -242,16 +302,19 @@ def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, spe
     if via not in VIAS:
         raise SubmitError(f"via must be 'sbatch' or 'submitit', got {via!r}")
     check_run_dir(job.run_dir, resume)
+    secrets = secret_values(job.secrets)
     if via == "submitit":
         from hpcrl.slurm.allocation import read_allocation
 
-        write_spec(job.run_dir, spec_data)
+        write_spec(job.run_dir, spec_data, job.group_access)
         sjob = HetjobExecutor(job, dependency=dependency).submit(fn or read_allocation, *(args if fn else (str(job.run_dir),)))
         record_job(job, sjob.job_id, via)
         return JobHandle(sjob.job_id, job.run_dir, job.members(), submitit_job=sjob)
-    script_path = prepare_run_dir(job, spec_data, render_hetjob(job))
+    script_path = prepare_run_dir(job, spec_data, render_hetjob(job), secrets)
     try:
-        out = slurm_cmd("sbatch", "--parsable", *_dependency_args(dependency), str(script_path))
+        # the secrets reach the job through secrets.env alone, not also in the environment Slurm keeps for it
+        out = slurm_cmd("sbatch", "--parsable", *_dependency_args(dependency), str(script_path),
+                        env={k: v for k, v in os.environ.items() if k not in secrets})
     except SlurmCommandError as e:
         raise SubmitError(str(e)) from None
     job_id = out.strip().split(";")[0]

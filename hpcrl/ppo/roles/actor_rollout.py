@@ -7,16 +7,16 @@ import torch
 
 from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
 from hpcrl.checkpoint.role import Checkpointed
-from hpcrl.controller import Dispatch, Worker, register
+from hpcrl.controller import Dispatch, Worker, register, startup
 from hpcrl.controller.batch import Batch, Weights
 from hpcrl.controller.device_weights import DeviceWeights, Placement, shares_gpu
 from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupError
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.roles.common import local_share, make_train_engine, ppo_updates, seed_all
+from hpcrl.ppo.roles.common import ModelRole, local_share, make_train_engine, ppo_updates, seed_all
 from hpcrl.ppo.roles.rollout import Generates, make_rollout_engine
 
 
-class ActorRollout(Generates, Checkpointed, Worker):
+class ActorRollout(Generates, Checkpointed, ModelRole, Worker):
     """The policy; it also generates unless the job runs a separate `rollout` role."""
     shares_device = True
     weights_to: WeightGroup | None = None    # rank 0: the group it sends the weights to a rollout role by
@@ -27,6 +27,8 @@ class ActorRollout(Generates, Checkpointed, Worker):
         self.engine = make_train_engine(self.cfg, model_dir, "log_probs", self.device, self.cfg.optim.actor_lr)
         self.rollout = None if self.cfg.rollout.own_role else make_rollout_engine(self.cfg, model_dir, self.rank, self.device,
                                                                               self.engine)
+        if self.rollout is not None:
+            startup.mark("rollout engine")
 
     @register(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hpcrl.controller import startup
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer, use_bf16
 from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, values_head
@@ -26,33 +27,55 @@ def optim_config(cfg: TrainConfig, lr: float) -> OptimConfig:
                        micro_batch_tokens=cfg.optim.micro_batch_tokens)
 
 
+def import_model_code() -> None:
+    """transformers' model code, which the roles that hold a model import first: most of such a
+    role's start (5.9 s on a GPU node through Slurm), timed apart; a standby process imports it ahead
+    (Worker.warm_up)."""
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+
+class ModelRole:
+    """A role that holds a model: its standby processes import the model's code ahead."""
+
+    @classmethod
+    def warm_up(cls) -> None:
+        import_model_code()
+
+
 def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch.device, lr: float | None):
     """The engine of a role: head "log_probs" (actor; reference when lr is None) or "values" (critic),
     on cfg.engine.backend. lr None: inference only. With cfg.lora.rank the actor (and the critic,
     unless lora.critic is off) trains LoRA adapters on its frozen base instead. The model is loaded
     onto `device` (a reference that runs in bf16: in bf16, as the engine would store it)."""
     optim = optim_config(cfg, lr) if lr is not None else None
+    import_model_code()
+    startup.mark("imports")
     if cfg.engine.backend == "megatron":
         try:
             from hpcrl.engines.train.megatron import MegatronEngine
         except ImportError as e:
             raise RuntimeError(f"train.engine.backend: megatron, but megatron-core does not import here ({e}); "
                                "install `hpcrl[megatron]` on the GPU nodes, or use train_engine: torch") from e
-        return MegatronEngine(model_dir, head, optim, cfg.engine.tensor_parallel, cfg.engine.pipeline_parallel, cfg.rollout.temperature,
-                              cfg.seed, cfg.engine.compile, cfg.engine.activation_checkpointing)
+        engine = MegatronEngine(model_dir, head, optim, cfg.engine.tensor_parallel, cfg.engine.pipeline_parallel,
+                                cfg.rollout.temperature, cfg.seed, cfg.engine.compile, cfg.engine.activation_checkpointing)
+        startup.mark("model")
+        return engine
     if head == "values":
         module, forward = ValueModel(model_dir, device), values_head
     else:
         dtype = torch.bfloat16 if lr is None and use_bf16(cfg.engine.precision, device) else torch.float32
         module = load_causal_lm(model_dir, dtype, device)
         forward = log_probs_head(cfg.rollout.temperature, lr is not None, cfg.engine.compile)
+    startup.mark("model")
     engine = TorchTrainer
     if lr is not None and cfg.lora.rank and (head == "log_probs" or cfg.lora.critic):
         from hpcrl.engines.train.lora import LoraTrainer, add_adapters
 
         module, engine = add_adapters(module, cfg.lora), LoraTrainer
-    return engine(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile, cfg.optim.pack,
-                  cfg.engine.activation_checkpointing, cfg.engine.offload)
+    engine = engine(module, optim, forward, device, cfg.engine.precision, cfg.engine.compile, cfg.optim.pack,
+                    cfg.engine.activation_checkpointing, cfg.engine.offload)
+    startup.mark("engine")
+    return engine
 
 
 def ppo_updates(engine, batch: Batch, cfg: TrainConfig, world_size: int, seed: list[int], loss_fn) -> dict:

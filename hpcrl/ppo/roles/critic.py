@@ -6,10 +6,10 @@ from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.roles.common import local_share, make_train_engine, ppo_updates, seed_all
+from hpcrl.ppo.roles.common import ModelRole, local_share, make_train_engine, ppo_updates, seed_all
 
 
-class Critic(Checkpointed, Worker):
+class Critic(Checkpointed, ModelRole, Worker):
     def __init__(self, model_dir: str, cfg: TrainConfig):
         self.cfg = cfg
         seed_all(self.cfg.seed + 7919 + self.rank)

