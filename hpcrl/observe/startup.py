@@ -41,23 +41,23 @@ class StartupClock:
             self.phase(name, ended)
 
     def phase(self, name: str, ended: float | None = None) -> None:
-        """The run's own phase `name` ended (now, or at `ended`)."""
+        """The run's own phase `name` ended (now, or at `ended`): an event, which writes the status."""
         ended = time.time() if ended is None else ended
-        self._event(name, None, None, ended - self.last, ended)
         self.status.doc["startup"]["phases"][name] = round(ended - self.began, 2)
+        self.status.event("startup", **self._fields(name, None, None, ended - self.last, ended))
         self.last = max(self.last, ended)
-        self.status.write()
 
     def roles(self, started: dict[str, list[dict]]) -> None:
         """Every role's ranks' phases (WorkerGroup.startup), then the `roles` phase; the status keeps,
         per phase, the rank that took longest."""
-        slowest = self.status.doc["startup"]["slowest"]
+        slowest, said = self.status.doc["startup"]["slowest"], []
         for role, ranks in started.items():
             for rank, s in enumerate(ranks):
                 for name, ended, took in s["phases"]:
-                    self._event(name, role, rank, took, ended)
+                    said.append(self._fields(name, role, rank, took, ended))
                     if took > slowest.get(name, {}).get("seconds", -1.0):
                         slowest[name] = {"role": role, "rank": rank, "seconds": round(took, 2)}
+        self.status.events("startup", said)
         self.phase("roles")
 
     def logged(self, record: dict) -> None:
@@ -72,9 +72,9 @@ class StartupClock:
         elif any(k.startswith("val/") for k in record):
             self.phase("validation")
 
-    def _event(self, phase: str, role: str | None, rank: int | None, took: float, ended: float) -> None:
-        self.status.event("startup", phase=phase, role=role, rank=rank, seconds=round(took, 3),
-                          since_start=round(ended - self.began, 3))
+    def _fields(self, phase: str, role: str | None, rank: int | None, took: float, ended: float) -> dict:
+        return {"phase": phase, "role": role, "rank": rank, "seconds": round(took, 3),
+                "since_start": round(ended - self.began, 3)}
 
 
 def slowest_phases(ranks: list[dict], since: float) -> dict[str, float]:

@@ -56,21 +56,27 @@ class RunStatus:
 
     def event(self, kind: str, **fields) -> dict:
         """Append one event; `checkpoint`, `finish`, `stop` and `fail` also change the status."""
-        record = {"time": round(time.time(), 3), "event": kind, **fields}
-        self.unwritten.append(record)
+        return self.events(kind, [fields])[0]
+
+    def events(self, kind: str, many: list[dict]) -> list[dict]:
+        """Append events of one kind, each of the given fields, in one write (a start's hundreds of
+        per-rank `startup` events); the status is written once, after them."""
+        records = [{"time": round(time.time(), 3), "event": kind, **fields} for fields in many]
+        self.unwritten.extend(records)
         try:
             with open(RunDir(self.run_dir).events, "a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in self.unwritten))
             self.unwritten.clear()
         except OSError:
             pass         # kept for the next event
+        last = records[-1]
         if kind == "checkpoint":
-            self.doc["last_checkpoint"] = {"step": fields["step"], "time": record["time"]}
+            self.doc["last_checkpoint"] = {"step": last["step"], "time": last["time"]}
         elif kind in ("finish", "stop", "fail"):
             self.doc.update(state={"finish": "finished", "stop": "stopped", "fail": "failed"}[kind], phase=None,
-                            error=fields.get("error"))
+                            error=last.get("error"))
         self.write()
-        return record
+        return records
 
     def write(self) -> None:
         doc = {**self.doc, "updated": time.time(), "roles": {r: wg.describe() for r, wg in self.groups.items()}}
