@@ -183,10 +183,11 @@ def test_a_scorer_that_raises_fails_the_step_by_name(tmp_path, monkeypatch):
 def real_spec(tmp_path, name, model, data, **train):
     """jobs/smollm2-chain-sum.yaml, shortened for CI: a few steps, short answers; no snapshots (no
     role is killed here, and a 1.7 GB snapshot, spilled to disk by an object store that cannot hold
-    two, would hold up a step by seconds)."""
+    two, would hold up a step by seconds); one checkpoint kept (the actor's is 1.6 GB with its
+    optimizer, and two of these runs go side by side)."""
     spec = yaml.safe_load((ROOT / "jobs" / "smollm2-chain-sum.yaml").read_text())
     with_train(spec, model_dir=str(model), dataset=str(data / "train.parquet"),
-                         val_dataset=str(data / "test.parquet"), progress=False, snapshot_every=0, **train)
+                         val_dataset=str(data / "test.parquet"), progress=False, snapshot_every=0, keep_last=1, **train)
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
