@@ -251,6 +251,19 @@ def test_truncated_importance_sampling_weights_the_policy_loss():
     close(loss, (per * m).sum() / m.sum())
 
 
+def test_masked_importance_sampling_drops_the_tokens_outside_the_band():
+    lp, old, rollout = (rng.normal(size=(B, T)) * 0.5 for _ in range(3))
+    adv, m, (low, high) = rng.normal(size=(B, T)) * 2, holey_mask(), (0.7, 1.4)
+    kept = np.array([[1.0 if low <= np.exp(old[i, j] - rollout[i, j]) <= high else 0.0 for j in range(T)]
+                     for i in range(B)])
+    assert 0 < (kept * m).sum() < m.sum()          # the draw has tokens on both sides of the band
+    close(algo.masked_is_weights(t(old), t(rollout), low, high), kept)
+    ratio = np.exp(lp - old)
+    per = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2)) * kept
+    loss, _ = algo.policy_loss(t(lp), t(old), t(adv), t(m), is_weights=algo.masked_is_weights(t(old), t(rollout), low, high))
+    close(loss, (per * m).sum() / m.sum())      # dropped tokens still count in the mean's denominator
+
+
 def test_value_loss_with_clip():
     v, old, ret, m = rng.normal(size=(B, T)), rng.normal(size=(B, T)), rng.normal(size=(B, T)), holey_mask()
     vc = old + np.clip(v - old, -0.2, 0.2)

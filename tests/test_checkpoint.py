@@ -8,12 +8,13 @@ import subprocess
 import sys
 import time
 import zlib
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, sh
+from conftest import ROOT, sh, wait_until
 
 from hpcrl.checkpoint.format import read_role_file, rng_state, set_rng_state, write_role_file
 from hpcrl.checkpoint.store import CheckpointStore
@@ -302,6 +303,85 @@ srun --mpi=pmix --ntasks=2 --overlap {sys.executable} -c '{MPIO_READER}' {serial
     back, _ = read_role_file(parallel)                                 # checksums verified on the way
     assert same(back, state)
     assert digests == {k: zlib.crc32(v[2]) for k, v in s_sets.items()}
+
+
+
+def live_members(pgid: int) -> list[str]:
+    """The processes of group pgid that are not zombies (an orphan's zombie waits on a slow init here)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(stat.parent.name)
+    return out
+
+
+def test_a_step_past_its_bound_is_killed_with_its_whole_process_group(tmp_path):
+    """A command that never ends (a shell and its background child) and a bound of 1 s: StepTimeout
+    names the step and its bound, and no process of its group is left."""
+    from hpcrl.slurm.mpi_step import StepTimeout, run_bounded
+
+    assert run_bounded(["sh", "-c", "echo done"], dict(os.environ), "hpcrl-mpi-quick", 5) == "done\n"
+    pid = tmp_path / "pid"
+    with pytest.raises(StepTimeout) as e:
+        run_bounded(["sh", "-c", f"echo $$ > {pid}; sleep 600 & sleep 600"], dict(os.environ), "hpcrl-mpi-never", 1)
+    assert str(e.value).startswith("MPI step hpcrl-mpi-never (not in squeue: not started) ran past its bound of "
+                                   "1 s: srun killed: sh -c"), e.value
+    pgid = int(pid.read_text())               # the shell leads a group of its own (a session of its own)
+    assert pgid != os.getpgrp() and live_members(pgid) == []
+
+
+def test_a_parallel_write_past_its_bound_fails_naming_the_file_and_the_fix(tmp_path, monkeypatch):
+    """write_staged around a step that timed out (the step itself: the tests around this one): its
+    bound comes from the staged bytes (1000 float32 and 3×4 bf16: 4024 B, by hand), the half-written
+    file and the shares are removed, and the error names the file, the step and the fix."""
+    from hpcrl.checkpoint import parallel as parallel_hdf5
+    from hpcrl.slurm.mpi_step import StepTimeout
+
+    path = tmp_path / "ckpt" / "step_00000002" / "critic.h5"
+    state = {"w": torch.zeros(1000), "b": torch.ones(3, 4, dtype=torch.bfloat16)}
+    bounds = []
+
+    def hangs(hosts, argv, timeout):
+        bounds.append(timeout)
+        parallel_hdf5.temporary_path(path).write_bytes(b"half")
+        raise StepTimeout("MPI step 41.2 (hpcrl-mpi-x) ran past its bound")
+
+    monkeypatch.setattr(parallel_hdf5, "run_mpi_step", hangs)
+    try:
+        for rank in (0, 1):
+            parallel_hdf5.stage(path, state, {"step": 2}, rank, 2)
+        assert parallel_hdf5.staged_bytes(parallel_hdf5.staging_dir(path)) == 4024
+        with pytest.raises(RuntimeError) as e:
+            parallel_hdf5.write_staged(path, ["n2", "n1"])
+    finally:
+        shutil.rmtree(parallel_hdf5.staging_dir(path), ignore_errors=True)
+    assert bounds == [parallel_hdf5.STEP_START_S + 4024 / parallel_hdf5.SLOWEST_WRITE_BYTES_S]
+    assert f"parallel HDF5 write of {path} (0 MB, 2 ranks on n2,n1) did not finish within its bound of 300 s" in str(e.value)
+    assert "train.checkpoint.io: serial" in str(e.value) and "MPI step 41.2" in str(e.value)
+    assert not parallel_hdf5.temporary_path(path).exists() and not path.exists()
+
+
+@pytest.mark.slurm
+def test_an_mpi_step_past_its_bound_is_cancelled_in_slurm(slurm_cluster, tmp_path):
+    """A step of two tasks that never end, on two nodes, with a bound of 3 s: the error names its
+    step id, the step is gone from squeue while the job still runs, and sacct says CANCELLED."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"""#!/bin/bash
+{sys.executable} -c 'from hpcrl.slurm.mpi_step import run_mpi_step
+run_mpi_step(["cpun2", "cpun1"], ["sleep", "600"], 3)'
+echo steps left: $(squeue -h --steps -j $SLURM_JOB_ID -o %i)
+""")
+    sh("sbatch", "--wait", "-p", "cpu", "-N2", "-o", str(tmp_path / "out"), "-D", str(ROOT), str(script))
+    out = (tmp_path / "out").read_text()
+    assert "StepTimeout: MPI step " in out, out
+    step = out.split("StepTimeout: MPI step ")[1].split()[0]
+    assert f"ran past its bound of 3 s: cancelled (`scancel {step}`): srun" in out, out
+    assert out.rstrip().endswith(f"steps left: {step.split('.')[0]}.batch"), out      # gone while the job runs
+    wait_until(lambda: "CANCELLED" in sh("sacct", "-n", "-j", step, "-o", "State"), 30, f"sacct: {step} CANCELLED")
 
 
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec (it would be pytest's own peak)

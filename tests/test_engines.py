@@ -1,7 +1,10 @@
 """Engine pieces that run without a GPU: the static-cache sampler against HF's forward, the
 HF ⇄ megatron weight layouts for every tensor/pipeline split (the GPU tests in tests/gpu/ check
 that megatron computes with them what HF does), megatron's attention and optimizer kernels against
-references, and the chunked output layer of response_log_probs against the model's own logits."""
+references, the chunked output layer of response_log_probs against the model's own logits, and
+where torch.compile's caches go."""
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -264,3 +267,20 @@ def test_layouts_that_do_not_divide_are_refused():
         s.check(4, 1)
     with pytest.raises(ValueError, match="pipeline_parallel: 3 must divide"):
         s.check(1, 3)
+
+
+def test_torch_compile_caches_go_to_the_runs_cache_folder_unless_the_site_set_its_own(tmp_path, monkeypatch):
+    """A requeued job finds the kernels the job before it compiled: Inductor's cache, as torch itself
+    resolves it, is in the run's cache folder; a TORCHINDUCTOR_CACHE_DIR already set is kept."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    from hpcrl.engines.compile_cache import use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    use_compile_cache(tmp_path / "cache")
+    assert cache_dir() == str(tmp_path / "cache" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "site"))
+    use_compile_cache(tmp_path / "other")
+    assert cache_dir() == str(tmp_path / "site")

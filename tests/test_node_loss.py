@@ -7,11 +7,13 @@ import json
 import os
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import (PIPELINED_STEPS, job_finished, job_records, sh, short_spec, slurm_log, submit, wait_until)
+import yaml
+from conftest import (PIPELINED_STEPS, ROOT, job_finished, job_records, sh, short_spec, slurm_log, submit, wait_until)
 from test_requeue import assert_same_training
 
 from hpcrl.checkpoint.cadence import CEILING, FLOOR, SHARE, CommitCadence
@@ -83,6 +85,30 @@ def records(*components: tuple[str, int]) -> str:
                      for i, (state, restarts) in enumerate(components)) + "\n"
 
 
+def slurm_showing(monkeypatch, tmp_path, restarts: int, at_end: str, after_requeue: list | None) -> list[tuple]:
+    """The requeue step's Slurm, in job 77's batch script at restart `restarts` (max_restarts 2): `scontrol
+    show job` shows at_end, then after_requeue's records once it is asked to requeue; the calls made."""
+    from hpcrl.slurm import requeue as step
+
+    calls, shown = [], [at_end]
+
+    def slurm_cmd(*args):
+        calls.append(args)
+        if args[:2] == ("scontrol", "show"):
+            return shown[-1]
+        if args[:2] == ("scontrol", "requeue") and after_requeue:
+            shown.append(records(*after_requeue))
+        return ""
+    monkeypatch.setattr(step, "slurm_cmd", slurm_cmd)
+    monkeypatch.setattr(step.time, "sleep", lambda s: None)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
+    monkeypatch.setenv("HPCRL_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("HPCRL_REQUEUE", "1")
+    monkeypatch.setenv("HPCRL_MAX_RESTARTS", "2")
+    return calls
+
+
 @pytest.mark.parametrize("restarts,cancelled,after_requeue,status,said", [
     # Slurm 22.05 requeued components 0 and 1 (up to the failed node's), left 2 running
     (0, False, [("PENDING", 1), ("PENDING", 1), ("PENDING", 1)], 0,
@@ -100,22 +126,7 @@ def test_a_node_failure_requeues_every_component_or_cancels_them_all(
     from hpcrl.slurm import requeue as step
 
     at_failure = records(("PENDING", restarts + 1), ("PENDING", restarts + 1), ("RUNNING", restarts))
-    calls, shown = [], [at_failure]
-
-    def slurm_cmd(*args):
-        calls.append(args)
-        if args[:2] == ("scontrol", "show"):
-            return shown[-1]
-        if args[:2] == ("scontrol", "requeue") and after_requeue:
-            shown.append(records(*after_requeue))
-        return ""
-    monkeypatch.setattr(step, "slurm_cmd", slurm_cmd)
-    monkeypatch.setattr(step.time, "sleep", lambda s: None)
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("SLURM_RESTART_COUNT", str(restarts))
-    monkeypatch.setenv("HPCRL_RUN_DIR", str(tmp_path))
-    monkeypatch.setenv("HPCRL_REQUEUE", "1")
-    monkeypatch.setenv("HPCRL_MAX_RESTARTS", "2")
+    calls = slurm_showing(monkeypatch, tmp_path, restarts, at_failure, after_requeue)
     if cancelled:
         RunDir(tmp_path).cancel.touch()
     assert step.after(134) == status
@@ -126,20 +137,34 @@ def test_a_node_failure_requeues_every_component_or_cancels_them_all(
     assert (("scancel", "77") in calls) == (status != 0)
 
 
-def test_wait_says_when_a_hetjob_is_left_half_requeued(monkeypatch):
-    from hpcrl.slurm import sbatch
+@pytest.mark.parametrize("restarts,at_end,rc,status,requeued,cancelled", [
+    # Slurm requeued components 0 and 1 for a failed node: the whole hetjob, as for the sbatch path
+    (0, [("PENDING", 1), ("PENDING", 1), ("RUNNING", 0)], 1, 0, True, False),
+    (2, [("PENDING", 3), ("PENDING", 3), ("RUNNING", 2)], 1, 1, False, True),    # max_restarts 2 reached
+    # submitit requeued the whole job itself (its process exits 255 after `scontrol requeue`): left alone
+    (2, [("PENDING", 3), ("PENDING", 3), ("PENDING", 3)], 255, 255, False, False),
+    # the function failed, nothing requeued: the job ends FAILED
+    (0, [("RUNNING", 0), ("RUNNING", 0), ("RUNNING", 0)], 1, 1, False, False),
+])
+def test_a_submitit_job_is_never_left_half_requeued_and_its_own_requeue_is_left_alone(
+        tmp_path, monkeypatch, capsys, restarts, at_end, rc, status, requeued, cancelled):
+    """The batch script of --via submitit runs `requeue after-submitit RC` once the function's step ended."""
+    from hpcrl.jobspec import parse_spec
+    from hpcrl.slurm import requeue as step
+    from hpcrl.slurm.sbatch import HetjobExecutor
 
-    assert half_requeued({0: "PENDING", 1: "PENDING", 2: "FAILED"})
-    assert not half_requeued({0: "PENDING", 1: "PENDING", 2: "PENDING"})
-    assert not half_requeued({0: "COMPLETED", 1: "FAILED", 2: "COMPLETED"})
-    assert not half_requeued({0: "RUNNING", 1: "PENDING", 2: "RUNNING"})   # mid-requeue
-    clock = Clock()
-    monkeypatch.setattr(sbatch, "component_states", lambda job: {0: "PENDING", 1: "PENDING", 2: "FAILED"})
-    monkeypatch.setattr(sbatch.time, "monotonic", clock)
-    monkeypatch.setattr(sbatch.time, "sleep", lambda s: setattr(clock, "now", clock.now + s))
-    with pytest.raises(SubmitError, match=r"job 5 is half-requeued: components 2 FAILED, while 0, 1 are pending again, .*`scontrol requeue 5`"):
-        JobHandle("5", Path("/nonexistent"), {}).wait()
-    assert clock.now - 1000.0 == pytest.approx(sbatch.STUCK_S, abs=1.0)
+    job = parse_spec(yaml.safe_load((ROOT / "jobs" / "tiny-cpu.yaml").read_text()),
+                     run_dir=tmp_path / "run").to_hetjob(python=sys.executable)
+    script = HetjobExecutor(job)._make_submission_file_text("python -m submitit.core._submit x", "u")
+    assert script.endswith(' python -m submitit.core._submit x\n# submitit requeues the whole job itself on USR2; '
+                           "where Slurm requeued only some components for a failed\n# node (then it never starts "
+                           "again), the requeue step requeues every component or cancels them all.\n"
+                           f'{sys.executable} -m hpcrl.slurm.requeue after-submitit "$?"\n'), script[-600:]
+    calls = slurm_showing(monkeypatch, tmp_path, restarts, records(*at_end), [("PENDING", restarts + 1)] * 3)
+    assert step.after_submitit(rc) == status
+    assert (("scontrol", "requeue", "77") in calls) == requeued, calls
+    assert (("scancel", "77") in calls) == cancelled, calls
+    assert ("requeueing the whole hetjob" in capsys.readouterr().out) == requeued
 
 
 # ------------------------------------------------------------------ on the local Slurm cluster

@@ -2,6 +2,7 @@
 reach the batch script and the driver's settings, are checked as the file's values are, and an
 unknown path is refused, naming the nearest known one, before anything is written."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,9 @@ def test_a_run_trains_with_the_overridden_settings_and_status_shows_them(tmp_pat
     assert recorded["train"]["data"]["batch_size"] == 16 and recorded["overridden"]["train.total_steps"] == 3
     assert 'overrides: train.total_steps=3 train.data.batch_size=16' in hpcrl("status", str(run)).stdout
     assert json.loads(hpcrl("status", str(run), "--json").stdout)["overridden"]["train.data.batch_size"] == 16
+    # its Ray ran in a private folder of its own (ray_temp_dir, as a job's nodes), not Ray's shared
+    # /tmp/ray; its logs were kept in the run directory and the folder removed
+    raylet = (run / "logs" / "ray" / "local" / "raylet.out").read_text()
+    folders = set(re.findall(r"(/\S+/hpcrl-ray-local-\w+)/ray/session_", raylet))
+    assert len(folders) == 1 and "/tmp/ray/" not in raylet, raylet[:2000]
+    assert not Path(folders.pop()).exists()

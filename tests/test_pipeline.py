@@ -38,13 +38,15 @@ def test_a_slow_scorer_scores_batches_ahead_while_the_step_before_trains(tmp_pat
     (tmp_path / "slow_scorer.py").write_text(SLOW_SCORER)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))        # the driver's, and so the Ray workers'
     cfg = TrainConfig(total_steps=8, max_staleness=2, reward_fn="slow_scorer:score", reward_batched=True, tis_cap=2.0,
-                    **PIPELINED)
+                    **PIPELINED).updated(algorithm={"mis_band": [0.5, 2.0]})
     records = run_local(tmp_path / "run", cfg)
     # two batches in flight: step k trains on weights k-1, on a batch sampled with weights k-3
     assert [r["policy/lag"] for r in records] == [0, 1, 2, 2, 2, 2, 2, 2]
     assert [r["policy/version"] for r in records] == [0, 0, 0, 1, 2, 3, 4, 5]
     # the sampler's log-probs equal the actor's while their weights are the same, and differ after
     assert records[0]["rollout/log_prob_diff"] < 1e-4 < records[-1]["rollout/log_prob_diff"]
+    # masked importance sampling drops no token while the two policies are one (ratio 1)
+    assert records[0]["actor/mis_masked"] == 0 and all(0 <= r["actor/mis_masked"] < 1 for r in records), records
     calls = read_calls(tmp_path / "run")
     scored = {c["step"]: c for c in calls["reward"] if c["method"] == "compute_scores"}
     updated = {c["step"]: c for c in calls["actor_rollout"] if c["method"] == "update_actor"}
@@ -84,6 +86,10 @@ def test_while_the_critic_is_rebuilt_the_rollout_has_the_next_batch_in_hand(tmp_
     # where the rebuild went: a new process's phases, within the rebuild's seconds
     assert list(back["phases"]) == ["process", "group", "imports", "model", "engine", "built"], back
     assert 0 < sum(back["phases"].values()) <= back["seconds"] <= back["time"] - down["time"] + 0.01, back
+    # then, one after the other, its state back, the calls since it made again, what waits for it
+    restore = back["restore"]
+    assert set(restore) == {"state", "replay", "calls", "after"} and restore["state"] > 0, back
+    assert sum(back["phases"].values()) + restore["state"] + restore["replay"] + restore["after"] <= back["seconds"] + 0.05
     generated = {c["step"]: c for c in read_calls(run)["rollout"] if c["method"] == "generate_sequences"}
     # sequentially, the batch of step+1 would be generated only after the critic was back and had trained
     assert generated[step + 1]["start"] < back["time"], (generated[step + 1], down, back)

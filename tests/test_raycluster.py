@@ -183,7 +183,10 @@ def test_port_blocks_of_one_job_never_overlap_skip_busy_ports_and_the_ephemeral_
     assert "ray-client-server-port" in head and all(blocks[0] <= int(p) < blocks[0] + 200 for p in head.values())
 
 
-def test_local_mode_advertises_every_role(tmp_path):
+def test_local_mode_advertises_every_role_in_a_private_temp_dir(tmp_path):
+    """`hpcrl run --local`'s Ray: every role advertised, the token 0600, and its session in a fresh
+    0700 folder of this user's (ray_temp_dir, as a job's nodes), never Ray's shared /tmp/ray; at exit
+    the folder is gone and Ray's logs are in the run directory."""
     script = f"""
 import os, ray
 from hpcrl.raycluster import start_local
@@ -192,10 +195,19 @@ res = ray.cluster_resources()
 @ray.remote(num_cpus=0, resources={{"role:critic": 0.01}})
 def f(): return 42
 print(res["role:critic"], res["role:actor_rollout"], ray.get(f.remote()), oct(os.stat({str(tmp_path)!r} + "/ray/token").st_mode & 0o777))
-ray.shutdown()
+session = ray._private.worker._global_node.get_session_dir_path()
+folder = os.stat(os.path.dirname(os.path.dirname(session)))
+print(oct(folder.st_mode & 0o777), folder.st_uid == os.getuid(), session)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.stdout.split() == ["1.0", "1.0", "42", "0o600"], out.stderr[-2000:]
+    *said, session = out.stdout.split()
+    assert said == ["1.0", "1.0", "42", "0o600", "0o700", "True"], out.stderr[-2000:]
+    session = Path(session)
+    folder = session.parent.parent       # FOLDER/ray/session_...
+    assert session.parent.name == "ray" and folder.name.startswith("hpcrl-ray-local-"), session
+    assert not session.is_relative_to("/tmp/ray"), session
+    assert not folder.exists(), f"{folder} left behind"
+    assert (tmp_path / "logs" / "ray" / "local" / "raylet.out").exists(), sorted((tmp_path / "logs").rglob("*"))
 
 
 def test_node_tasks_of_one_mpi_step_see_their_own_component():

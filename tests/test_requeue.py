@@ -186,7 +186,8 @@ def test_time_limit_checkpoints_and_requeues_until_max_restarts(time_limited_job
 @pytest.mark.slurm
 def test_submitit_path_checkpoints_on_its_signal_and_resumes(time_limited_jobs):
     """--via submitit: submitit's USR2 calls SubmititTraining.checkpoint(), which waits for the
-    step's committed checkpoint; submitit requeues; the driver resumes from it."""
+    step's committed checkpoint; submitit requeues; the driver resumes from it. The batch script's
+    requeue step (after-submitit, for a hetjob Slurm requeued only in part) leaves that requeue alone."""
     job, run = time_limited_jobs["submitit"]
 
     def logs():
@@ -196,6 +197,7 @@ def test_submitit_path_checkpoints_on_its_signal_and_resumes(time_limited_jobs):
     finally:
         sh("scancel", job)
     assert "(USR2 (submitit)); checkpoint committed" in logs()
+    assert "[hpcrl] Slurm requeued components" not in slurm_log(run), slurm_log(run)
 
 
 def test_a_rebuilt_role_comes_back_from_its_latest_committed_file(tmp_path):

@@ -192,6 +192,49 @@ def test_secrets_are_declared_by_name_and_their_values_stay_out_of_spec_and_scri
         parse_spec({**data, "secrets": ["HPCRL_RUN_DIR", "a b"]})
 
 
+@pytest.fixture
+def sbatch_seeing_its_environment(tmp_path, monkeypatch):
+    """An `sbatch` first on PATH that keeps the environment it was given (what Slurm would keep for
+    the job: `scontrol show job -d`, the accounting database) and answers as Slurm's (job 41)."""
+    bin_dir, seen = tmp_path / "bin", tmp_path / "sbatch-env"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f'#!/bin/sh\nenv > "{seen}"\n'
+        'case " $* " in *" --parsable "*) echo 41 ;; *) echo "Submitted batch job 41" ;; esac\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return seen
+
+
+@pytest.mark.parametrize("via", ["sbatch", "submitit", "satellite"])
+def test_sbatch_is_never_given_a_secret(tmp_path, monkeypatch, sbatch_seeing_its_environment, via):
+    """The secrets are in the environment that submits: hpcrl submit's (exported for it), or a driver's
+    start asking for hpcrl scale's satellites again (its batch script sourced secrets.env). Whoever
+    runs sbatch (hpcrl, submitit, a satellite's submission), it is given every variable but them;
+    each batch script reads them from secrets.env."""
+    from hpcrl.launch.scale import satellite_job
+    from hpcrl.run_dir import RunDir
+    from hpcrl.slurm.satellite import submit_satellite
+
+    data = yaml.safe_load((ROOT / "jobs" / "tiny-cpu-elastic.yaml").read_text())
+    data["secrets"] = ["TEST_HF_TOKEN"]
+    spec = parse_spec(data, run_dir=tmp_path / "run")
+    monkeypatch.setenv("TEST_HF_TOKEN", "s3cr3t-56")
+    monkeypatch.setenv("HPCRL_TEST_KEPT", "1")      # the rest of the environment goes through
+    if via == "satellite":
+        (tmp_path / "run" / "logs").mkdir(parents=True)
+        job = satellite_job(spec, "reward", {})
+        assert submit_satellite(job, "40", "start-1")["job_id"] == "41"
+        script = RunDir(job.run_dir).satellite_script("reward").read_text()
+    else:
+        assert submit_hetjob(spec.to_hetjob(python=sys.executable), via, spec_data=spec.as_data()).job_id == "41"
+        script = RunDir(tmp_path / "run").script.read_text()
+    seen = sbatch_seeing_its_environment.read_text().splitlines()
+    assert "HPCRL_TEST_KEPT=1" in seen and not [v for v in seen if "TEST_HF_TOKEN" in v or "s3cr3t-56" in v]
+    assert '\n. "$HPCRL_RUN_DIR/secrets.env" || exit 1    # secrets: TEST_HF_TOKEN' in script
+    assert "s3cr3t-56" not in script
+
+
 def _processes():
     """pid -> (command line, environment or None) of every process of this host we may read."""
     out = {}

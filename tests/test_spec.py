@@ -118,10 +118,12 @@ def test_an_mpi_step_names_its_own_component_and_puts_rank_i_on_hosts_i():
 
     het = {"SLURM_JOB_ID": "324", "SLURM_JOB_NODELIST": "h100n[1-2]", "SLURM_JOB_ID_HET_GROUP_0": "323",
            "SLURM_JOB_NODELIST_HET_GROUP_0": "a100n1", "SLURM_JOB_NODELIST_HET_GROUP_1": "h100n[1-2]"}
-    cmd = step_command(["h100n2", "h100n1"], ["python", "x.py"], "pmix", het)
+    cmd = step_command(["h100n2", "h100n1"], ["python", "x.py"], "pmix", het, "hpcrl-mpi-1", 61)
     assert cmd[:3] == ["srun", "--jobid=323", "--het-group=1"] and "--ntasks=2" in cmd and cmd[-2:] == ["python", "x.py"]
     assert "--distribution=arbitrary" in cmd and "--overlap" in cmd and "--mpi=pmix" in cmd
-    assert step_command(["n1"], ["p"], "pmi2", {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"})[1:2] == ["--jobid=7"]
+    assert "--job-name=hpcrl-mpi-1" in cmd and "--time=3" in cmd     # Slurm's own limit: a minute past the bound
+    plain = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1"}
+    assert step_command(["n1"], ["p"], "pmi2", plain, "s", 1)[1:2] == ["--jobid=7"]
     for n, world in [(0, 2), (1, 2), (5, 2), (7, 3), (2, 4)]:     # every row exactly once, in order
         parts = [rows(n, r, world) for r in range(world)]
         assert parts[0][0] == 0 and parts[-1][1] == n and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))

@@ -88,6 +88,16 @@ def truncated_is_weights(old_log_probs, rollout_log_probs, cap: float):
     return torch.exp((old_log_probs - rollout_log_probs).clamp(-20.0, 20.0)).clamp(max=cap)
 
 
+def masked_is_weights(old_log_probs, rollout_log_probs, low: float, high: float):
+    """Masked importance sampling (verl's rollout correction in its "mask" mode): a token sampled by a
+    policy too far from the one that trains (stale weights, the sampler's own numerics) is dropped
+    from the policy loss rather than reweighted:
+
+        w = 1  if low ≤ exp(log π_old − log π_rollout) ≤ high,  else 0"""
+    ratio = torch.exp((old_log_probs - rollout_log_probs).clamp(-20.0, 20.0))
+    return ((ratio >= low) & (ratio <= high)).to(old_log_probs.dtype)
+
+
 def value_loss(values, old_values, returns, mask, clip=None, agg="token-mean", total_tokens=None, total_seqs=None,
                max_length=None):
     """½·max((V − R)², (V_clip − R)²), V_clip = V_old + clip(V − V_old, −c, c) (no clip when c is None).

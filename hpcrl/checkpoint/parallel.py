@@ -30,9 +30,13 @@ import numpy as np
 
 from hpcrl.files import private_dir, replace_durably, writing
 from hpcrl.probe import interpreter_problem
-from hpcrl.slurm.mpi_step import inside_job, run_mpi_step
+from hpcrl.slurm.mpi_step import StepTimeout, inside_job, run_mpi_step
 
 ALIGN = 64     # each staged part starts on a cache line
+# The MPI step's bound: its start (srun, each task's imports) and the write at a rate far under any
+# shared file system's, so that only a hung rank meets it (a 14 GB role: 17 minutes).
+STEP_START_S = 300.0
+SLOWEST_WRITE_BYTES_S = 20e6
 
 
 def unavailable() -> str | None:
@@ -119,14 +123,29 @@ def write_staged(path: Path, hosts: list[str]) -> dict:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        out = run_mpi_step(hosts, [sys.executable, "-m", "hpcrl.checkpoint.parallel", str(staging_dir(path)), str(path)])
-    except BaseException:
+        staged = staged_bytes(staging_dir(path))
+        bound = STEP_START_S + staged / SLOWEST_WRITE_BYTES_S
+        argv = [sys.executable, "-m", "hpcrl.checkpoint.parallel", str(staging_dir(path)), str(path)]
+        out = run_mpi_step(hosts, argv, bound)
+    except BaseException as e:
         temporary_path(path).unlink(missing_ok=True)
         shutil.rmtree(staging_dir(path), ignore_errors=True)
+        if isinstance(e, StepTimeout):
+            raise RuntimeError(f"parallel HDF5 write of {path} ({staged / 1e6:.0f} MB, {len(hosts)} ranks on "
+                               f"{','.join(hosts)}) did not finish within its bound of {bound:.0f} s: a rank hangs. "
+                               f"This step is not committed; the last committed one stands. If ranks hang in MPI-IO "
+                               f"on the file system of {path.parent.parent} (NFS without fcntl locks, for one), "
+                               f"set train.checkpoint.io: serial. {e}") from None
         raise
     done = json.loads(out.strip().splitlines()[-1])
     return {"bytes": path.stat().st_size, "datasets": done["datasets"], "writer": f"parallel HDF5, {len(hosts)} ranks",
             "write_seconds": done["seconds"]}
+
+
+def staged_bytes(stage_dir: Path) -> int:
+    """The bytes of every tensor the staged shares hold together (rank 0's meta.json lists them)."""
+    meta = json.loads((stage_dir / "meta.json").read_text())
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype, _ in meta["datasets"].values())
 
 
 def main(argv: list[str]) -> None:

@@ -153,9 +153,10 @@ class WorkerHost:
         return address, self.store.port
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], workers: dict[str, tuple],
-              num_threads: int, gpu_ids: list | None, timeout_s: float) -> tuple[int, list]:
+              num_threads: int, gpu_ids: list | None, timeout_s: float) -> tuple[int, list, str]:
         """Take rank `rank`: open its logs, join the group's torch.distributed group, build each
-        role's Worker. gpu_ids is given to a standby process taking over a dead rank's GPUs."""
+        role's Worker. gpu_ids is given to a standby process taking over a dead rank's GPUs.
+        Returns the process's pid, GPU ids and device."""
         import ray
 
         if gpu_ids is not None:
@@ -179,9 +180,9 @@ class WorkerHost:
             own[role] = before, startup.count()
         timed = startup.timed(startup.process_started())
         self.phases = {role: timed[:shared] + timed[a:b] for role, (a, b) in own.items()}
-        return os.getpid(), [str(g) for g in ray.get_gpu_ids()] if gpu_ids is None else gpu_ids
+        return os.getpid(), [str(g) for g in ray.get_gpu_ids()] if gpu_ids is None else gpu_ids, self.device
 
-    def regroup(self, rank: int, world_size: int, master: tuple[str, int], timeout_s: float) -> tuple[int, list]:
+    def regroup(self, rank: int, world_size: int, master: tuple[str, int], timeout_s: float) -> tuple[int, list, str]:
         """Keep the roles' workers, take rank `rank` of a resized group (an elastic role): a new
         torch.distributed group, and the logs of the new rank."""
         import ray
@@ -193,7 +194,7 @@ class WorkerHost:
             self.current = role
             worker._ctx = replace(worker._ctx, rank=rank, world_size=world_size)
             print(f"rank {rank} of {world_size} now (the group was resized)")
-        return os.getpid(), [str(g) for g in ray.get_gpu_ids()]
+        return os.getpid(), [str(g) for g in ray.get_gpu_ids()], self.device
 
     def _join(self, rank: int, world_size: int, master: tuple[str, int], timeout_s: float) -> None:
         """This rank's log files, and its place in the group's torch.distributed group."""

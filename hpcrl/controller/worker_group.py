@@ -24,7 +24,7 @@ runs past its slowest recent time abandons it (CallAbandoned): the driver commit
 boundary instead (`roll_back` gives a group the state it had there).
 With `standby=True` every rank has an idle process beside it (torch imported, and what the
 roles' warm_up imports: a model's code; nothing reserved) that takes its place, so a rebuild pays no
-process start and no imports; `"auto"`: where the processes hold GPUs.
+process start and no imports; `"auto"`: where the processes run on CUDA devices.
 
 An elastic group (a role whose worker class sets `elastic = True`: frozen scorers, the rollout)
 follows its nodes: `follow_nodes()` at a step boundary gives ranks to nodes that joined (a
@@ -109,10 +109,11 @@ class _HostSet:
         self.deadline_listeners: list[Callable[[str, float], None]] = []   # told of each learned deadline
         self.resize_listeners: list[Callable[[dict], None]] = []   # told what each resize did
         self.pgs = pool.placement_groups(pool.nodes, len(workers))
-        # "auto": where the processes hold GPUs, whose rebuild costs most (a model's imports, CUDA)
-        self.keep_standby = bool(pool.bundle(len(workers)).get("GPU")) if standby == "auto" else standby
+        self.standby_setting = standby
+        self.devices: list[str] = []
         self.standby: list = []
         self.standby_started = False     # start_standby: after the run's start, not competing with it
+        self.last_restore: dict = {}     # _restore's parts, seconds
         self.retired: set[str] = set()   # actor ids replaced by a rebuild: errors from them are old news
         self.unplaceable: set[str] = set()   # nodes that joined but could not take the group's processes
         self._form([self._host(r) for r in range(pool.world_size)], fresh=set(range(pool.world_size)))
@@ -123,6 +124,15 @@ class _HostSet:
         """Ranks may join and leave between calls: one role whose worker class says so (no state of
         its own beyond its __init__ and the group's restore hooks)."""
         return len(self.workers) == 1 and all(getattr(cls, "elastic", False) for cls, _, _ in self.workers.values())
+
+    @property
+    def keep_standby(self) -> bool:
+        """Whether the ranks keep standby processes; "auto": where they run on CUDA devices, whose
+        rebuild costs most (a model's imports, torch.compile's), not on CPUs (nor a test cluster's
+        GPUs that are only Slurm's count)."""
+        if self.standby_setting == "auto":
+            return any(d.startswith("cuda") for d in self.devices)
+        return bool(self.standby_setting)
 
     def _set_state(self, state: str, error: str | None = None) -> None:
         self.state, self.last_error = state, error or self.last_error
@@ -152,7 +162,7 @@ class _HostSet:
         except RoleHung:
             self._retire(hosts)      # stuck starting: they would hold their resources until the job ends
             raise
-        self.actors, self.pids, self.gpu_ids = hosts, [d[0] for d in done], [d[1] for d in done]
+        self.actors, self.pids, self.gpu_ids, self.devices = hosts, *map(list, zip(*done))
         self.deadlines.new_processes()
         self._replace_standby()
 
@@ -309,14 +319,21 @@ class _HostSet:
 
     def _restore(self, then: bool = True) -> None:
         """New processes: each role's state back, the state-changing calls made since then made
-        again, in order, then (then=True) the hooks that wait for the state (weights to a rollout)."""
+        again, in order, then (then=True) the hooks that wait for the state (weights to a rollout).
+        How long each part took: last_restore."""
+        t0 = time.monotonic()
         for hook in self.state_hooks:
             hook()
-        for _, call in sorted(self.calls_since, key=lambda c: c[0]):
+        t1 = time.monotonic()
+        calls = sorted(self.calls_since, key=lambda c: c[0])
+        for _, call in calls:
             GroupFuture(call.method, call.args, call.kwargs, again=True).result()
+        t2 = time.monotonic()
         if then:
             for hook in self.restore_hooks:
                 hook()
+        self.last_restore = {"state": round(t1 - t0, 3), "replay": round(t2 - t1, 3), "calls": len(calls),
+                             "after": round(time.monotonic() - t2, 3)}
 
     def roll_back(self, upto: dict) -> None:
         """New processes holding each role's state as it was when its calls_issued() was upto[role's
@@ -487,6 +504,7 @@ class WorkerGroup:
         h = self._hosts
         return {"world_size": self.world_size, "state": h.state, "restarts": h.restarts_total,
                 "last_error": h.last_error, "process": h.name, "elastic": h.elastic, "last_hang": h.last_hang,
+                "last_restore": h.last_restore,
                 "deadlines": h.deadlines.describe(),
                 "ranks": [{"rank": r, "node_ip": h.pool.node_of(r).ip, "node": h.pool.node_of(r).name,
                            "origin": h.pool.node_of(r).origin, "pid": pid} for r, pid in enumerate(h.pids)]}

@@ -2,8 +2,8 @@
 
 Each line is one JSON object: `time` (Unix seconds), `event` (the kind, a key of EVENTS) and the
 kind's fields. The reference page docs/pages/reference/events.md is generated from EVENTS
-(hpcrl/reference.py); tests/test_reference.py finds every `.event("kind", ...)` call in hpcrl/ and
-checks that its kind and fields are here, and that a real run writes nothing else.
+(hpcrl/reference_docs.py); tests/test_reference_docs.py finds every `.event("kind", ...)` call in
+hpcrl/ and checks that its kind and fields are here, and that a real run writes nothing else.
 """
 from __future__ import annotations
 
@@ -59,7 +59,10 @@ EVENTS: dict[str, EventKind] = {
                     "since it made again",
          "phases": "where the new processes' start went: each phase of a rank's start (hpcrl/observe/startup.py: "
                    "process, group, imports, model, engine, rollout engine, built) and the seconds of the slowest "
-                   "rank's; a process Ray had started ahead, idle, counts from the `rebuild` event"}),
+                   "rank's; a process Ray had started ahead, idle, counts from the `rebuild` event",
+         "restore": "where the time after the start went, seconds: `state` (the role's snapshot or checkpoint loaded), "
+                    "`replay` (the `calls` state-changing calls made since it, made again), `after` (what waits for "
+                    "the state: the new weights to a rollout)"}),
     "deadline": EventKind(
         "a kind of role call has a learned deadline (`train.deadlines`): after its first timed call, and whenever "
         "it has changed twofold",

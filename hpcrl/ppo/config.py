@@ -17,7 +17,8 @@ from typing import Annotated, ClassVar, Literal
 
 import typing
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, field_validator,
+                      model_validator)
 
 
 def _one_line(value: str) -> str:
@@ -199,8 +200,9 @@ class RolloutSettings(Settings):
     max_model_len: Count = 0
     """vLLM: longest prompt + response (0: the model's max_position_embeddings)"""
     cache_dir: PathText = ""
-    """compile caches and temp files of the rollout engine (vLLM, torch inductor); empty: RUN_DIR/cache.
-    Runs that share one reuse each other's compiled kernels"""
+    """compile caches of every engine (vLLM's; torch.compile's Inductor and Triton caches of the
+    training and static-cache engines) and vLLM's temp files; empty: RUN_DIR/cache, where a requeued
+    job finds what the job before it compiled. Runs that share one reuse each other's compiled kernels"""
     pipeline: Literal["off", "one_step_off"] = "off"
     """"off": each step generates, scores and trains in turn. "one_step_off": the rollout role
     generates the batch of step k+1 (with the weights of step k−1) while step k is scored and
@@ -343,12 +345,24 @@ class AlgorithmSettings(Settings):
     """> 0: truncated importance sampling (verl's TIS): each token's policy loss is weighted by
     min(π_actor/π_rollout, tis_cap) of its old log-probs, which corrects for the sampler's weights
     (or kernels) differing from the actor's; 0: off"""
+    mis_band: Annotated[list[PositiveFloat], Field(min_length=2, max_length=2)] | None = None
+    """[low, high]: masked importance sampling: a token whose π_actor/π_rollout (of its old log-probs)
+    leaves [low, high] gets no policy loss (a policy too far from the one that trains sampled it:
+    stale weights in a pipelined run, the sampler's own numerics), e.g. [0.5, 2]; with tis_cap the
+    tokens kept are also weighted. `actor/mis_masked` is the share dropped; null: off"""
 
     @field_validator("dual_clip")
     @classmethod
     def _dual_clip(cls, v):
         if 0 < v <= 1:
             raise ValueError(f"{v} is out of range; it must be > 1, or 0 (off)")
+        return v
+
+    @field_validator("mis_band")
+    @classmethod
+    def _mis_band(cls, v):
+        if v is not None and not v[0] < 1 < v[1]:
+            raise ValueError(f"{v} does not hold a ratio of 1; give [low, high] with low < 1 < high, e.g. [0.5, 2]")
         return v
 
     GROUP_ADVANTAGES: ClassVar[tuple[str, ...]] = ("grpo", "rloo", "reinforce_pp_baseline")
@@ -480,7 +494,7 @@ class LayoutSettings(Settings):
     standby: bool | Literal["auto"] = "auto"
     """keep an idle process per rank (its imports done, nothing reserved; started after the first step)
     so a dead rank is replaced without a process start: true, false, or auto (the roles whose
-    processes hold GPUs)"""
+    processes run on CUDA devices)"""
     restart_limit: Count = 3
     """rebuilds of one role allowed per hour (a dead process, or ranks that missed a call's deadline)
     before the run fails; for missed deadlines it stops at its last step, committed, and requeues"""

@@ -430,7 +430,8 @@ class RunContext:
             elif state == "alive" and was[0] == "restarting":
                 self.status.event("rebuilt", role=role, step=self.status.doc["step"],
                                   seconds=round(time.time() - since[0], 3),
-                                  phases=slowest_phases(self.groups[role].startup(), since[0]))
+                                  phases=slowest_phases(self.groups[role].startup(), since[0]),
+                                  restore=self.groups[role].describe()["last_restore"])
             was[0] = state
         return changed
 

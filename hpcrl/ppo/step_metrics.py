@@ -2,10 +2,10 @@
 validation (hpcrl/ppo/validation.py) write to RUN_DIR/metrics.jsonl, TensorBoard and W&B, with its
 unit and meaning (METRICS), and a step's record computed from its batch (`step_record`).
 
-The reference page docs/pages/reference/metrics.md is generated from METRICS (hpcrl/reference.py),
-and tests/test_reference.py runs a short training and checks both ways: every key it logs has an
-entry here, and every entry here is logged. A key in angle brackets (`score/<role>`) stands for a
-family, one key per role or data source.
+The reference page docs/pages/reference/metrics.md is generated from METRICS
+(hpcrl/reference_docs.py), and tests/test_reference_docs.py runs a short training and checks both
+ways: every key it logs has an entry here, and every entry here is logged. A key in angle brackets
+(`score/<role>`) stands for a family, one key per role or data source.
 """
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ METRICS: dict[str, Metric] = {
                                 "only the critic"),
     "actor/clipfrac": Metric("fraction of tokens", "share of response tokens where the ε clip was active, mean over "
                                                    "the optimizer steps; null during the critic's warm-up"),
+    "actor/mis_masked": Metric("fraction of tokens", "share of response tokens `train.algorithm.mis_band` dropped from "
+                                                     "the policy loss (π_actor/π_rollout outside the band), mean over "
+                                                     "the optimizer steps; null without mis_band"),
     "actor/entropy": Metric("nats per token", "mean entropy of the policy over the step's response tokens, from the "
                                               "actor's log-prob pass before its update"),
     "actor/approx_kl": Metric("nats per token", "mean of log π_old − log π over the response tokens: how far the "
@@ -150,6 +153,7 @@ def step_record(step: int, batch: Batch, trained: Batch, terms: list[str], kl: d
             **({f"score/{role}": float(batch[f"score/{role}"].mean()) for role in terms} if len(terms) > 1 else {}),
             **kl,
             "actor/pg_loss": actor.get("pg_loss"), "actor/clipfrac": actor.get("clipfrac"),
+            "actor/mis_masked": actor.get("mis_masked"),
             "actor/entropy": float(algo.masked_mean(batch["entropy"], mask)),
             "actor/approx_kl": actor.get("approx_kl"), "actor/grad_norm": actor.get("grad_norm"),
             "critic/vf_loss": critic.get("vf_loss") if critic is not None else None,

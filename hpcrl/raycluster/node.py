@@ -135,6 +135,12 @@ def copy_logs(logs: Path, to: Path) -> None:
             shutil.copyfile(f, to / f.relative_to(logs))
 
 
+def keep_logs_and_remove(temp_dir: Path, logs_to: Path) -> None:
+    """Once its Ray has stopped: the logs of its last session into `logs_to`, then ray_temp_dir's folder gone."""
+    copy_logs(temp_dir / "ray" / "session_latest" / "logs", logs_to)
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 class _NodeTask:
     """What a node task of either kind shares: its run directory, node name, log and temp dirs, the
     `ray start` command, and the stop it waits for (its run start's stop file, or a signal)."""
@@ -222,8 +228,7 @@ class _NodeTask:
         finally:
             kill_session(proc.pid)
             proc.wait()
-            copy_logs(self.temp_dir / "ray" / "session_latest" / "logs", self.log_dir / self.log_name)
-            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            keep_logs_and_remove(self.temp_dir, self.log_dir / self.log_name)
         return exited
 
 

@@ -8,9 +8,11 @@
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
+import shutil
 import socket
 import time
 import uuid
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from hpcrl.files import atomic_write_text
 from hpcrl.env_vars import JobEnv
-from hpcrl.raycluster.node import node_resources, ray_env, wait_for_port
+from hpcrl.raycluster.node import keep_logs_and_remove, node_resources, ray_env, ray_temp_dir, wait_for_port
 from hpcrl.raycluster.ports import choose_block
 from hpcrl.requirements import require_ray
 from hpcrl.run_dir import RunDir
@@ -177,15 +179,28 @@ def request_stop(run_dir: Path) -> None:
 
 
 def start_local(roles: list[str], run_dir: Path | None = None, num_cpus: int | None = None, **init_kwargs):
-    """One local Ray node advertising every role, as a Slurm node advertises its own."""
+    """One local Ray node advertising every role, as a Slurm node advertises its own. Its temp dir is
+    made as a job node's (ray_temp_dir), not Ray's shared /tmp/ray; at this process's exit its Ray
+    stops, its logs go to RUN_DIR/logs/ray/local and the folder is removed."""
+    logs_to = None
     if run_dir is not None:
         paths = RunDir(run_dir)
         paths.ray.mkdir(parents=True, exist_ok=True)
         if not paths.ray_token.exists():
             _write_token(paths.ray_token)
         _use_env(paths.root)
+        logs_to = paths.ray_logs / "local"
     import ray
 
+    temp_dir = ray_temp_dir("hpcrl-ray-local-")
+
+    def stop() -> None:   # before Ray's own exit handler (atexit runs the last registered first)
+        ray.shutdown()
+        if logs_to is None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        else:
+            keep_logs_and_remove(temp_dir, logs_to)
+    atexit.register(stop)
     return ray.init(address="local", num_cpus=num_cpus, resources=json.loads(node_resources(roles)),
                     labels={"hpcrl.node": "local", **{f"hpcrl.role.{r}": "1" for r in roles}},
-                    include_dashboard=False, log_to_driver=False, **init_kwargs)
+                    include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir / "ray"), **init_kwargs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping
 
 from hpcrl.env_vars import JobEnv
 from hpcrl.slurm.container import Container
@@ -136,3 +137,9 @@ class HetJob:
 
     def members(self) -> dict[str, int]:
         return {m: i for i, c in enumerate(self.components) for m in c.members}
+
+    def sbatch_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """`environ` without the secrets, for sbatch: it passes the environment it is given to the job,
+        where Slurm keeps it (`scontrol show job -d`, the accounting database); the secrets reach the
+        job's processes through RUN_DIR/secrets.env alone."""
+        return {k: v for k, v in environ.items() if k not in self.secrets}

@@ -61,7 +61,8 @@ def component_steps(job: HetJob) -> list[dict[str, str]]:
 
 def render_hetjob(job: HetJob, payload: str | None = None, signal: str | None = None) -> str:
     """The batch script. Once every node's Ray has joined it runs the job's driver (with signal
-    forwarding and the requeue step) or, given instead, `payload` as it is; `signal` is the
+    forwarding and the requeue step) or, given instead, `payload` (submitit's step) as it is, then
+    the requeue step of a job that submitit requeues itself (after-submitit); `signal` is the
     `--signal` value (default: USR1 to the batch shell `signal_lead` seconds before the time limit).
     Raises directives.UnsafeValue, naming each field, when a value cannot stand in the script."""
     problems = directives.problems(job, str(job.run_dir))

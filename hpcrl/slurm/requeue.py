@@ -15,6 +15,11 @@
                                              components up to the failed node's and leaves the
                                              others to end FAILED with the batch script, so that
                                              the job would pend forever
+    python -m hpcrl.slurm.requeue after-submitit RC
+                                             the same for a job of --via submitit, whose function
+                                             exited with RC: submitit requeues the whole job itself
+                                             on USR2; only a requeue Slurm left partial after a
+                                             failed node is made whole (or cancelled whole)
 """
 from __future__ import annotations
 
@@ -40,6 +45,11 @@ def job_end_time(job_id: str) -> float | None:
 def deadline() -> str:
     end = job_end_time(os.environ["SLURM_JOB_ID"])
     return "" if end is None else f"{end - JobEnv.read().signal_lead:.0f}"
+
+
+def restart_count() -> int:
+    """The restart this start of the job is (0: its first start)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
 
 def requeued_components(job: str, count: int) -> tuple[list[int], list[int], str]:
@@ -84,6 +94,31 @@ def after_node_failure(job: str, rc: int, count: int, limit: int, requeued: list
     return rc
 
 
+def after_lost_node(job: str, rc: int, count: int, only_part: bool = False) -> int | None:
+    """after_node_failure's status where Slurm requeued components of the hetjob since this start (it
+    does so for a failed node; with only_part, only where it left others out), else None."""
+    try:
+        requeued, rest, node = requeued_components(job, count)
+    except SlurmCommandError as e:
+        print(f"[hpcrl] could not read job {job}'s state ({e})", flush=True)
+        return None
+    if not requeued or (only_part and not rest):
+        return None
+    return after_node_failure(job, rc, count, JobEnv.read().max_restarts, requeued, node)
+
+
+def after_submitit(rc: int) -> int:
+    """The requeue step of a job of `hpcrl submit --via submitit`, once the function's step exited with
+    rc; the batch script's status. submitit requeues the job itself on USR2 (`scontrol requeue` of
+    the whole job, its max_num_timeout the limit), which this leaves alone; what submitit cannot see
+    is Slurm requeueing only some components after a failed node: made whole, or cancelled whole at
+    max_restarts or after hpcrl cancel, as after() does."""
+    if rc == 0:
+        return 0
+    status = after_lost_node(os.environ["SLURM_JOB_ID"], rc, restart_count(), only_part=True)
+    return rc if status is None else status
+
+
 def after(rc: int) -> int:
     """What the job does once its driver exited with rc; returns the batch script's exit status:
     0 when training finished, the job requeues (no failure: it goes on) or hpcrl cancel asked;
@@ -91,15 +126,11 @@ def after(rc: int) -> int:
     job = os.environ["SLURM_JOB_ID"]
     if rc == 0:
         return 0
-    count = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    count = restart_count()
     if rc != EXIT_REQUEUE:
-        try:
-            requeued, _, node = requeued_components(job, count)
-        except SlurmCommandError as e:
-            print(f"[hpcrl] could not read job {job}'s state ({e})", flush=True)
-            requeued, node = [], ""
-        if requeued:
-            return after_node_failure(job, rc, count, JobEnv.read().max_restarts, requeued, node)
+        status = after_lost_node(job, rc, count)
+        if status is not None:
+            return status
         print(f"[hpcrl] the driver exited with {rc} (its error is above): training did not finish; the job ends "
               "FAILED", flush=True)
         return rc
@@ -137,6 +168,8 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["after"] and len(argv) == 2:
         return after(int(argv[1]))
+    if argv[:1] == ["after-submitit"] and len(argv) == 2:
+        return after_submitit(int(argv[1]))
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -71,8 +71,7 @@ def render_satellite(job: HetJob, main_job: str, run_id: str) -> str:
     c = job.components[0]
     return template_environment().get_template("satellite.sbatch.j2").render(
         job=job, c=c, version=__version__, main_job=main_job, run_id=run_id, output=output,
-        options=directives.component_lines(c)[0], run_dir_var=JobEnv.var("run_dir"),
-        secrets_name=paths.secrets.name)
+        options=directives.component_lines(c)[0], run_dir_var=JobEnv.var("run_dir"), paths=paths, container_env=[])
 
 
 def submit_satellite(job: HetJob, main_job: str, run_id: str) -> dict:
@@ -80,7 +79,9 @@ def submit_satellite(job: HetJob, main_job: str, run_id: str) -> dict:
     members = ",".join(job.components[0].members)
     path = RunDir(job.run_dir).satellite_script(members)
     atomic_write_text(path, render_satellite(job, main_job, run_id))
-    job_id = slurm_cmd("sbatch", "--parsable", str(path), env=outside_any_job()).strip().split(";")[0]
+    # from the driver's start, whose environment holds the secrets (the batch script read secrets.env):
+    # the satellite's script reads them as the main job's does, sbatch is not given them
+    job_id = slurm_cmd("sbatch", "--parsable", str(path), env=job.sbatch_env(outside_any_job())).strip().split(";")[0]
     return {"job_id": job_id, "members": members, "run_id": run_id, "submitted_at": round(time.time(), 3)}
 
 

@@ -282,7 +282,10 @@ class HetjobExecutor(submitit.SlurmExecutor):
         return 1
 
     def _make_submission_command(self, submission_file_path: Path) -> list[str]:
-        return ["sbatch", *_dependency_args(self.dependency), str(submission_file_path)]
+        # submitit runs it in this process's environment: `env --unset` keeps the secrets out of sbatch's
+        # (as job.sbatch_env does for ours)
+        return ["env", *(f"--unset={name}" for name in self.hetjob.secrets), "sbatch",
+                *_dependency_args(self.dependency), str(submission_file_path)]
 
 
 # ------------------------------------------------------------------ entry point
@@ -312,9 +315,8 @@ def submit_hetjob(job: HetJob, via: str = "sbatch", *, resume: bool = False, spe
         return JobHandle(sjob.job_id, job.run_dir, job.members(), submitit_job=sjob)
     script_path = prepare_run_dir(job, spec_data, render_hetjob(job), secrets)
     try:
-        # the secrets reach the job through secrets.env alone, not also in the environment Slurm keeps for it
         out = slurm_cmd("sbatch", "--parsable", *_dependency_args(dependency), str(script_path),
-                        env={k: v for k, v in os.environ.items() if k not in secrets})
+                        env=job.sbatch_env(os.environ))
     except SlurmCommandError as e:
         raise SubmitError(str(e)) from None
     job_id = out.strip().split(";")[0]

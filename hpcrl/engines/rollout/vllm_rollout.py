@@ -26,6 +26,7 @@ import torch
 
 from hpcrl.algo import truncate_at_eos
 from hpcrl.engines.base import SamplingParams
+from hpcrl.engines.compile_cache import use_compile_cache
 
 
 def row_seed(seed: int, row: int) -> int:
@@ -52,6 +53,7 @@ def vllm_environment(cache_dir: Path) -> None:
     cache_dir = Path(cache_dir)
     (cache_dir / "tmp").mkdir(parents=True, exist_ok=True)
     os.environ["VLLM_CACHE_ROOT"] = str(cache_dir)
+    use_compile_cache(cache_dir)
     os.environ["TMPDIR"] = str(cache_dir / "tmp")
     tempfile.tempdir = None          # re-read TMPDIR
 

@@ -5,7 +5,7 @@ from typing import Sequence
 
 import torch
 
-from hpcrl.algo import aggregate, kl_penalty, masked_mean, policy_loss, truncated_is_weights
+from hpcrl.algo import aggregate, kl_penalty, masked_is_weights, masked_mean, policy_loss, truncated_is_weights
 from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register, startup
 from hpcrl.controller.batch import Batch, Weights
@@ -105,6 +105,9 @@ class ActorRollout(Generates, Checkpointed, ModelRole, Worker):
         mode, counts = algorithm.loss_agg_mode, dict(total_tokens=total_tokens, total_seqs=total_seqs,
                                                      max_length=self.cfg.rollout.max_new_tokens)
         weights = truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], algorithm.tis_cap) if algorithm.tis_cap else None
+        if algorithm.mis_band:
+            kept = masked_is_weights(mb["old_log_probs"], mb["rollout_log_probs"], *algorithm.mis_band)
+            weights = kept if weights is None else weights * kept
         pg, stats = policy_loss(logp, mb["old_log_probs"], mb["advantages"], mask, algorithm.clip_low, algorithm.clip_high,
                                 algorithm.dual_clip or None, mode, is_weights=weights,
                                 importance="sequence" if algorithm.policy_loss == "gspo" else "token", **counts)
@@ -113,6 +116,8 @@ class ActorRollout(Generates, Checkpointed, ModelRole, Worker):
             loss = loss - algorithm.entropy_coef * aggregate(ent, mask, mode, **counts)
         share = local_share(mask, total_tokens)
         stats.update(pg_loss=float(pg.detach()) / share, entropy=float(masked_mean(ent.detach(), mask)))
+        if algorithm.mis_band:
+            stats["mis_masked"] = 1.0 - float(masked_mean(kept, mask))
         if algorithm.kl_loss and algorithm.kl_coef:
             kl_loss = aggregate(kl_penalty(logp, mb["ref_log_probs"], algorithm.kl_loss_estimator), mask, mode, **counts)
             loss = loss + algorithm.kl_coef * kl_loss

@@ -22,6 +22,7 @@ from hpcrl.controller.batch import Batch, Weights
 from hpcrl.controller.device_weights import DeviceWeights, Placement
 from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupError
 from hpcrl.engines.base import SamplingParams
+from hpcrl.engines.compile_cache import use_compile_cache
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
 from hpcrl.models import load_causal_lm
 from hpcrl.models.tokenizer import load_tokenizer
@@ -41,6 +42,7 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         if device.type == "cuda" and config.model_type in SUPPORTED:
+            use_compile_cache(cfg.rollout.cache_dir)
             engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile,
                                         reload=trainer.full_weights if trainer is not None and cfg.rollout.release_memory
                                         else None)

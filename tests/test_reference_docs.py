@@ -1,4 +1,4 @@
-"""The docs' reference pages (hpcrl/reference.py): each committed page is what the code gives now,
+"""The docs' reference pages (hpcrl/reference_docs.py): each committed page is what the code gives now,
 a field holding a model gets its own table at the field's path, and the registries the metrics and
 events pages are made of are complete: two short real trainings (PPO with a critic, reference,
 two reward terms and validation; GRPO) log every metric of hpcrl/ppo/step_metrics.py and nothing
@@ -14,28 +14,29 @@ import yaml
 from conftest import ROOT
 from pydantic import BaseModel, ConfigDict, Field
 
-from hpcrl import reference
+from hpcrl import reference_docs
 from hpcrl.observe.event_kinds import EVENTS, EVERY_EVENT
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events
 from hpcrl.ppo.step_metrics import METRICS, entry
 
-STALE = f"run {reference.REGENERATE} to regenerate"
+STALE = f"run {reference_docs.REGENERATE} to regenerate"
 
 
 def test_the_committed_reference_pages_are_what_the_code_generates():
-    stale = reference.stale()
+    stale = reference_docs.stale()
     assert not stale, f"docs/pages/reference/: {', '.join(stale)} out of date; {STALE}"
 
 
 def test_check_exits_1_naming_only_the_stale_pages(tmp_path):
-    assert reference.main(["--out", str(tmp_path)]) == 0
+    assert reference_docs.main(["--out", str(tmp_path)]) == 0
     (tmp_path / "metrics.md").write_text("an older page\n")
-    check = subprocess.run([sys.executable, "-m", "hpcrl.reference", "--check", "--out", str(tmp_path)],
+    check = subprocess.run([sys.executable, "-m", "hpcrl.reference_docs", "--check", "--out", str(tmp_path)],
                            capture_output=True, text=True, cwd=ROOT)
     assert check.returncode == 1 and "metrics.md" in check.stderr and STALE in check.stderr, check.stderr
     assert not any(name in check.stderr for name in ("spec.md", "cli.md", "events.md")), check.stderr
-    assert reference.main(["--out", str(tmp_path)]) == 0 and reference.main(["--check", "--out", str(tmp_path)]) == 0
+    assert reference_docs.main(["--out", str(tmp_path)]) == 0
+    assert reference_docs.main(["--check", "--out", str(tmp_path)]) == 0
 
 
 class Inner(BaseModel):
@@ -58,7 +59,7 @@ class Outer(BaseModel):
 
 def test_a_field_holding_a_model_gets_a_table_at_its_path():
     """What lets `train:` become a model of sections with no change to the generator."""
-    sections = reference.model_sections(Outer)
+    sections = reference_docs.model_sections(Outer)
     assert [s.path for s in sections] == ["", "section", "roles.<role>", "extra", "terms[i]"]
     assert all(s.rows == [[f"`{s.path}.size`", "`int`", "`2`", "≥ 1", "how big"]] and s.doc == "Inner: A section."
                for s in sections[1:])
@@ -84,6 +85,7 @@ def training_settings(held_out) -> dict[str, dict]:
                     "rewards": [{"role": "reward"},
                                 {"role": "rule_engine", "method": "compute_rule_score", "weight": 0.5}]},
             "grpo": {**small, "colocate": [list(ROLES["grpo"])], "advantage": "grpo", "n_samples": 2, "kl_coef": 0.0,
+                     "algorithm": {"mis_band": [0.5, 2.0]},      # actor/mis_masked
                      # multi-turn, with the built-in tool task's calculator: the env/ metrics
                      "data": {"task": "tool_sums"}, "max_new_tokens": 6,
                      "environment": {"cls": "hpcrl.ppo.tasks.tool_sums:SumsEnvironment", "max_turns": 2,

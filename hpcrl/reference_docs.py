@@ -6,11 +6,11 @@
     metrics.md   every metric of the built-in loop: hpcrl/ppo/step_metrics.py
     events.md    every event of RUN_DIR/events.jsonl: hpcrl/observe/event_kinds.py
 
-    python -m hpcrl.reference            write them to docs/pages/reference/
-    python -m hpcrl.reference --check    exit 1, naming the pages that differ from what the code gives now
+    python -m hpcrl.reference_docs            write them to docs/pages/reference/
+    python -m hpcrl.reference_docs --check    exit 1, naming the pages that differ from what the code gives now
 
 It sits in hpcrl so that `python -m` finds it in the checkout's environment and the tests import it
-plainly; nothing that runs a job imports it. tests/test_reference.py fails on a stale page.
+plainly; nothing that runs a job imports it. tests/test_reference_docs.py fails on a stale page.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from hpcrl.ppo.step_metrics import METRICS
 from hpcrl.jobspec.models import JobSpec
 
 PAGES = Path(__file__).resolve().parents[1] / "docs" / "pages" / "reference"
-REGENERATE = "python -m hpcrl.reference"
+REGENERATE = "python -m hpcrl.reference_docs"
 NOTICE = f"<!-- generated from the code by `{REGENERATE}`: edit the code, not this page -->\n"
 
 
