@@ -196,10 +196,10 @@ def start_local(roles: list[str], run_dir: Path | None = None, num_cpus: int | N
 
     def stop() -> None:   # before Ray's own exit handler (atexit runs the last registered first)
         ray.shutdown()
-        if logs_to is None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        else:
+        if logs_to is not None and Path(run_dir).is_dir():     # a run dir gone meanwhile is not made again
             keep_logs_and_remove(temp_dir, logs_to)
+        else:
+            shutil.rmtree(temp_dir, ignore_errors=True)
     atexit.register(stop)
     return ray.init(address="local", num_cpus=num_cpus, resources=json.loads(node_resources(roles)),
                     labels={"hpcrl.node": "local", **{f"hpcrl.role.{r}": "1" for r in roles}},
