@@ -15,8 +15,9 @@ In order, each alone on the machine:
    At a random step in [--preempt-lo, --preempt-hi] (seeded by --seed, printed; inside the bare run's
    steps) an `urgent` job on the actor's node preempts it: the job checkpoints, Slurm requeues it, it
    resumes from the committed step.
-3. kill: the PPO spec through Slurm, --kill-steps steps; at a random step the critic's process is killed
-   (SIGKILL): its group is rebuilt on its node's GPU and the step completes.
+3. kill: the PPO spec through Slurm, --kill-steps steps; at a random step, once the critic's standby process
+   is warm (status.json), the critic's process is killed (SIGKILL): its group is rebuilt on its node's GPU
+   and the step completes.
 4. observe: `hpcrl status`, `logs` and `report` of the learn run, their output kept in WORK/observe/.
 """
 from __future__ import annotations
@@ -251,10 +252,13 @@ def run_kill(args, rng: random.Random) -> dict:
     def at_step(step: int) -> None:
         if killed or step < at:
             return
-        ranks = json.loads((job.run / "status.json").read_text())["roles"]["critic"]["ranks"]
-        pid, node = ranks[0]["pid"], ranks[0]["node"]
+        critic = json.loads((job.run / "status.json").read_text())["roles"]["critic"]
+        standby = critic.get("standby", {"processes": 0, "ready": 0})
+        if standby["ready"] < standby["processes"]:
+            return      # a rebuild then waits for the standby's imports: the kill of a run long under way is timed
+        pid, node = critic["ranks"][0]["pid"], critic["ranks"][0]["node"]
         os.kill(pid, signal.SIGKILL)
-        killed.update(pid=pid, node=node, after_step=step, time=time.time())
+        killed.update(pid=pid, node=node, after_step=step, time=time.time(), standby=standby)
         say(f"kill: critic pid {pid} on {node} killed after step {step}")
 
     states = job.follow(args.timeout, at_step)

@@ -1,4 +1,5 @@
-"""Step time, sequential vs pipelined (train.rollout.pipeline: one_step_off), side by side in one run.
+"""Step time, sequential vs pipelined (train.rollout.pipeline: one_step_off) vs asynchronous
+(pipeline: async, one run per --async-staleness k), side by side in one run.
 
 On the local Slurm cluster (slurm/cluster up), two hetjobs of jobs/tiny-cpu-pipelined.yaml's
 layout, changed so that two roles do nearly all the work: GRPO without a reference (no critic, no
@@ -11,12 +12,15 @@ two lanes. Medians over the steps after the first three:
     pipelined   step; its ideal is max(generate, rest) of the sequential run
     busy        seconds per step each role spent in its calls (logs/<role>/rank0.calls.jsonl):
                 where two lanes share two cores with everything else, each runs slower at once
+    modes       per mode (off, one_step_off, async_k<k>): the median step, seconds per trained
+                sample, the mean reward of the last 5 steps, the median policy/lag (and for async,
+                buffer/depth and timing/rollout_idle), and the speed-up over one_step_off
 
 --slow-scorer S adds a role of its own on the cpu partition (jobs/slow_scorer.py: a verifier that
 answers after S seconds per batch), a term of the reward in both runs.
 
     python bench/pipeline.py [--steps 25] [--new-tokens 80] [--ppo-epochs 1] [--slow-scorer 0]
-                             [--json bench/pipeline.json]
+                             [--async-staleness 1,2,4] [--json bench/pipeline.json]
 """
 from __future__ import annotations
 
@@ -36,9 +40,10 @@ from hpcrl.ppo.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 3
+BATCH, N_SAMPLES = 16, 4      # prompts a step, responses a prompt
 
 
-def spec(args, pipeline: str) -> dict:
+def spec(args, pipeline: str, staleness: int = 1) -> dict:
     data = yaml.safe_load((ROOT / "jobs" / "tiny-cpu-pipelined.yaml").read_text())
     for role in ("critic", "ref"):
         data["roles"].pop(role)
@@ -51,18 +56,19 @@ def spec(args, pipeline: str) -> dict:
                                      "worker_args": {"seconds": args.slow_scorer}}
         data["train"]["reward"] = {"scorers": [{"role": "reward"},
                                                {"role": "verifier", "method": "compute_rule_score", "weight": 0.5}]}
-    data["name"] = f"bench-pipeline-{pipeline}"
+    data["name"] = f"bench-pipeline-{pipeline}-{staleness}"
     data["train"] = TrainConfig.model_validate(data["train"]).updated(
-        total_steps=args.steps, progress=False, data={"batch_size": 16},
-        rollout={"n_samples": 4, "max_new_tokens": args.new_tokens, "pipeline": pipeline},
+        total_steps=args.steps, progress=False, data={"batch_size": BATCH},
+        rollout={"n_samples": N_SAMPLES, "max_new_tokens": args.new_tokens, "pipeline": pipeline, "max_staleness": staleness},
         algorithm={"advantage": "grpo", "kl_coef": 0.0}, optim={"mini_batch_size": 64, "ppo_epochs": args.ppo_epochs},
         checkpoint={"save_last": False}).model_dump(mode="json", exclude_unset=True)
     return data
 
 
-def run(args, pipeline: str, work: Path) -> tuple[list[dict], dict]:
-    path, run_dir = work / f"{pipeline}.yaml", work / pipeline
-    path.write_text(yaml.safe_dump(spec(args, pipeline)))
+def run(args, pipeline: str, work: Path, staleness: int = 1) -> tuple[list[dict], dict]:
+    name = f"{pipeline}_k{staleness}" if pipeline == "async" else pipeline
+    path, run_dir = work / f"{name}.yaml", work / name
+    path.write_text(yaml.safe_dump(spec(args, pipeline, staleness)))
     subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(path), "--run-dir", str(run_dir), "--wait"],
                    check=True, cwd=ROOT, capture_output=True, text=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][WARMUP:]
@@ -76,17 +82,33 @@ def median(records, key) -> float:
     return statistics.median(r[key] for r in records)
 
 
+def summary(records: list[dict], samples_per_step: int) -> dict:
+    """One mode's line: its median step, seconds per trained sample, final reward and lag."""
+    out = {"step_s": median(records, "timing/step"), "reward_last5": statistics.mean(r["reward/mean"] for r in records[-5:]),
+           "lag": median(records, "policy/lag")}
+    out["sample_s"] = out["step_s"] / samples_per_step
+    if "buffer/depth" in records[0]:
+        out |= {"buffer_depth": median(records, "buffer/depth"), "rollout_idle_s": median(records, "timing/rollout_idle")}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--new-tokens", type=int, default=80)
     ap.add_argument("--ppo-epochs", type=int, default=1)
     ap.add_argument("--slow-scorer", type=float, default=0.0, help="seconds per batch of a verifier role (0: none)")
+    ap.add_argument("--async-staleness", default="1,2,4", help="max_staleness of each async run (empty: none)")
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "pipeline.json")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="hpcrl-bench-pipeline-"))
     seq, seq_busy = run(args, "off", work)
     pipe, pipe_busy = run(args, "one_step_off", work)
+    modes = {"off": summary(seq, BATCH * N_SAMPLES), "one_step_off": summary(pipe, BATCH * N_SAMPLES)}
+    for k in [int(k) for k in args.async_staleness.split(",") if k]:
+        modes[f"async_k{k}"] = summary(run(args, "async", work, k)[0], BATCH * N_SAMPLES)
+    for line in modes.values():
+        line["over_one_step_off"] = modes["one_step_off"]["step_s"] / line["step_s"]
     generate = median(seq, "timing/generate")
     rest = statistics.median(r["timing/step"] - r["timing/generate"] for r in seq)
     result = {"cpus": os.cpu_count(), "steps_timed": len(seq), "new_tokens": args.new_tokens, "ppo_epochs": args.ppo_epochs,
@@ -95,6 +117,7 @@ def main() -> int:
               "pipelined_step_s": median(pipe, "timing/step"), "busy_sequential_s": seq_busy, "busy_pipelined_s": pipe_busy}
     result["pipelined_over_sequential"] = result["pipelined_step_s"] / result["sequential_step_s"]
     result["pipelined_over_ideal"] = result["pipelined_step_s"] / max(generate, rest)
+    result["modes"] = modes
     print(f"\nlocal cluster, {os.cpu_count()} CPUs, one torch thread per role; median of {len(seq)} steps (s)"
           + (f"; a verifier role of {args.slow_scorer} s per batch" if args.slow_scorer else ""))
     print(f"{'':12} {'step':>7} {'generate':>9} {'rest':>7}")
@@ -104,6 +127,10 @@ def main() -> int:
           f"pipelined / max(generate, rest) {result['pipelined_over_ideal']:.2f}")
     print("busy per step: " + "  ".join(f"{role} {seq_busy.get(role, 0):.3f} → {pipe_busy.get(role, 0):.3f}"
                                          for role in sorted(seq_busy | pipe_busy)))
+    print(f"\n{'mode':14} {'step':>7} {'s/sample':>9} {'reward':>7} {'lag':>4} {'vs 1-off':>8}")
+    for mode, line in modes.items():
+        print(f"{mode:14} {line['step_s']:>7.3f} {line['sample_s']:>9.4f} {line['reward_last5']:>7.3f} "
+              f"{line['lag']:>4.0f} {line['over_one_step_off']:>8.2f}")
     args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(f"written {args.json}")
     return 0

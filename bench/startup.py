@@ -83,6 +83,9 @@ def gpu_table(path: Path) -> str:
     if rebuilt:
         lines.append(f"rebuilt {rebuilt['role']} in {rebuilt['seconds']:.2f} s: "
                      + ", ".join(f"{p} {s:.2f}" for p, s in rebuilt.get("phases", {}).items()))
+        if restore := rebuilt.get("restore"):     # its state, then the calls made since it was taken
+            lines.append(f"  restore: state {restore['state']:.2f}, replay {restore['replay']:.2f} "
+                         f"({restore['calls']} calls), after {restore['after']:.2f}")
     return "\n".join(lines)
 
 

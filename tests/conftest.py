@@ -1,6 +1,9 @@
 """Fixtures on the real local Slurm cluster (slurm/cluster)."""
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import re
@@ -35,18 +38,154 @@ def _cluster(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(CLUSTER), *args], capture_output=True, text=True)
 
 
+def _lock_file(what: str):
+    """A lock file of this checkout's cluster, outside its state directory (which `up` makes)."""
+    state = os.environ.get("HPCRL_SLURM_STATE", str(ROOT / ".slurm-state"))
+    return open(Path(tempfile.gettempdir()) / f"hpcrl-cluster-{what}-{hashlib.sha1(state.encode()).hexdigest()[:12]}.lock", "a")
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """Brings the cluster up once per session; takes it down only if this session started it."""
-    was_up = _cluster("status").returncode == 0
-    up = _cluster("up", "--timeout", "120")
-    if up.returncode != 0:
-        pytest.fail(f"slurm/cluster up failed:\n{up.stdout}\n{up.stderr}")
-    conf = _cluster("env").stdout.strip().split("=", 1)[1]
-    os.environ["SLURM_CONF"] = conf
-    yield conf
-    if not was_up:
-        _cluster("down")
+    """Brings the cluster up once per session, one session at a time (xdist's workers are sessions);
+    takes it down only if this session started it, once no other session uses it."""
+    with _lock_file("up") as starting, _lock_file("users") as users:
+        fcntl.flock(starting, fcntl.LOCK_EX)
+        was_up = _cluster("status").returncode == 0
+        up = _cluster("up", "--timeout", "120")
+        fcntl.flock(users, fcntl.LOCK_SH)
+        fcntl.flock(starting, fcntl.LOCK_UN)
+        if up.returncode != 0:
+            pytest.fail(f"slurm/cluster up failed:\n{up.stdout}\n{up.stderr}")
+        conf = _cluster("env").stdout.strip().split("=", 1)[1]
+        os.environ["SLURM_CONF"] = conf
+        yield conf
+        if not was_up:
+            fcntl.flock(users, fcntl.LOCK_EX)     # the other sessions are done with it
+            _cluster("down")
+
+
+EXCLUSIVE = "cluster_exclusive"
+"""The marker of a test that disturbs the whole cluster (takes a node DOWN, preempts a node with an
+urgent job, counts the queue): it runs while no other test of the cluster does."""
+
+
+@pytest.hookimpl(tryfirst=True)     # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Run side by side by pytest-xdist (`-n 4 --dist loadgroup`, as .ci/run): the exclusive tests go to
+    one worker, first, one after another, while the other workers start on the tests that need no
+    cluster (a test of the cluster waits for its turn, _cluster_turn); the tests of a module whose
+    own module- or session-scoped fixture makes a run go to one worker, so that it runs once. The
+    order is the same in every worker, as xdist requires."""
+    def shares_a_run(item) -> bool:
+        return any(d.scope != "function" and d.func.__module__ == item.module.__name__
+                   for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+
+    def group(item, name: str) -> None:
+        """xdist's loadgroup scope: `@name` at the end of the node id, which xdist's own xdist_group
+        marker no longer sets under pytest 9.2 (the id is a NodeId now, xdist 3.8 sets the old _nodeid)."""
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(f"{item.nodeid}@{name}")
+
+    # a module's XDIST_GROUP: modules whose tests must not run beside each other's (a count of host processes)
+    scope = {i.nodeid: EXCLUSIVE if i.get_closest_marker(EXCLUSIVE) else getattr(i.module, "XDIST_GROUP", None)
+             or (i.module.__name__ if shares_a_run(i) else None) for i in items}
+    # exclusive first (those sharing pipelined_once at the head: it is made while others may still run),
+    # then the tests without the cluster, then the cluster's (a group with a test of the cluster among
+    # them); in each, the groups first; stable otherwise
+    of_cluster = {scope[i.nodeid] or i.nodeid for i in items if "slurm_cluster" in i.fixturenames}
+    rank = lambda i: (0 if scope[i.nodeid] == EXCLUSIVE and "pipelined_once" in i.fixturenames else   # noqa: E731
+                      1 if scope[i.nodeid] == EXCLUSIVE else 3 if (scope[i.nodeid] or i.nodeid) in of_cluster else 2,
+                      scope[i.nodeid] is None)     # a module's shared run (the longest units) before single tests
+    items.sort(key=rank)
+    if getattr(config.option, "loadgroup", False):      # an xdist worker under --dist loadgroup
+        for item in items:
+            if scope[item.nodeid]:
+                group(item, scope[item.nodeid])
+
+
+class ClusterTurns:
+    """A readers-writer lock on the cluster, between the processes of this checkout's test runs (xdist's
+    workers, or two runs at once): a test of the cluster shares it, an exclusive test holds it alone.
+    flock(2) on two files in the cluster's state directory: `gate`, held by a waiting or running
+    exclusive test, keeps new sharers out, so that a stream of shared tests cannot starve it; `turn`,
+    shared or exclusive. A killed process lets go of both. Reentrant within a process (counted)."""
+
+    def __init__(self):
+        self.mode, self.count, self.files = None, 0, None
+        self.test_holds = False     # the running test's own hold (a fixture's hold is counted, not flagged)
+
+    def _open(self):
+        if self.files is None:
+            state = Path(os.environ["SLURM_CONF"]).parent
+            self.files = {n: open(state / f"tests-{n}.lock", "a+") for n in ("gate", "turn")}
+        return self.files
+
+    def acquire(self, exclusive: bool) -> None:
+        if self.count:
+            if exclusive and self.mode != "exclusive":
+                raise RuntimeError("an exclusive test began while this process shares the cluster: a module- "
+                                   "or session-scoped fixture holds a run; order the exclusive tests first")
+            self.count += 1
+            return
+        f = self._open()
+        fcntl.flock(f["gate"], fcntl.LOCK_EX)
+        if exclusive:
+            fcntl.flock(f["turn"], fcntl.LOCK_EX)       # the gate stays held: sharers wait behind it
+        else:
+            fcntl.flock(f["turn"], fcntl.LOCK_SH)
+            fcntl.flock(f["gate"], fcntl.LOCK_UN)
+        self.mode, self.count = ("exclusive" if exclusive else "shared"), 1
+
+    def release(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            for f in self.files.values():
+                fcntl.flock(f, fcntl.LOCK_UN)
+            self.mode = None
+
+    @contextlib.contextmanager
+    def shared(self):
+        """The cluster shared while a fixture's own jobs run (a reference run, jobs that outlive setup)."""
+        self.acquire(exclusive=False)
+        try:
+            yield
+        finally:
+            self.release()
+
+
+CLUSTER_TURNS = ClusterTurns()
+
+
+def _exclusive_on_cluster(item) -> bool:
+    return item is not None and bool(item.get_closest_marker(EXCLUSIVE)) and "slurm_cluster" in item.fixturenames
+
+
+@pytest.fixture(autouse=True)
+def _cluster_turn(request):
+    """A test of the cluster waits for its turn (ClusterTurns), from before its function-scoped
+    fixtures to after them (pytest_runtest_teardown lets go); an exclusive test keeps the cluster
+    for the exclusive test after it."""
+    if "slurm_cluster" in request.fixturenames:
+        exclusive = _exclusive_on_cluster(request.node)
+        if CLUSTER_TURNS.test_holds and not (exclusive and CLUSTER_TURNS.mode == "exclusive"):
+            CLUSTER_TURNS.test_holds = False
+            CLUSTER_TURNS.release()
+        if not CLUSTER_TURNS.test_holds:
+            CLUSTER_TURNS.acquire(exclusive)
+            CLUSTER_TURNS.test_holds = True
+    yield
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        keep = CLUSTER_TURNS.mode == "exclusive" and CLUSTER_TURNS.count == 1 and _exclusive_on_cluster(nextitem)
+        if CLUSTER_TURNS.test_holds and not keep:
+            CLUSTER_TURNS.test_holds = False
+            CLUSTER_TURNS.release()
 
 
 LEARNING_STEPS = 160
@@ -91,8 +230,9 @@ def pipelined_once(slurm_cluster, tmp_path_factory) -> Path:
     trained on the cluster without interruption: the reference of the interrupted runs."""
     tmp = tmp_path_factory.mktemp("pipelined")
     once = tmp / "once"
-    job = submit(short_spec(tmp, "tiny", job="tiny-cpu-pipelined.yaml", steps=PIPELINED_STEPS), once)
-    wait_until(lambda: job_finished(job), 600, "uninterrupted run")
+    with CLUSTER_TURNS.shared():
+        job = submit(short_spec(tmp, "tiny", job="tiny-cpu-pipelined.yaml", steps=PIPELINED_STEPS), once)
+        wait_until(lambda: job_finished(job), 600, "uninterrupted run")
     assert len(read_metrics(once / "metrics.jsonl")) == PIPELINED_STEPS, slurm_log(once)
     return once
 
@@ -156,7 +296,10 @@ def slurm_log(run: Path) -> str:
 def image():
     """slurm/image's Charliecloud image (Debian, /opt/venv with this venv's packages and hpcrl),
     built once, cached between runs (.images/hpcrl)."""
-    out = subprocess.run([str(ROOT / "slurm" / "image"), "build", "--venv", sys.prefix], capture_output=True, text=True)
+    (ROOT / ".images").mkdir(exist_ok=True)
+    with open(ROOT / ".images" / "build.lock", "a") as lock:    # one build at a time (xdist's workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        out = subprocess.run([str(ROOT / "slurm" / "image"), "build", "--venv", sys.prefix], capture_output=True, text=True)
     if out.returncode != 0:
         pytest.fail(f"slurm/image build failed:\n{out.stdout}\n{out.stderr}")
     return Path(out.stdout.strip().splitlines()[-1])

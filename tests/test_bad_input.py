@@ -185,8 +185,12 @@ def test_relations_that_stop_a_job_are_errors():
     assert any("colocate puts rollout in actor_rollout's processes" in p for p in refused(
         {**apart, "train": {"rollout": {"pipeline": "one_step_off", "own_role": True},
                             "layout": {"colocate": [["actor_rollout", "rollout"]]}}}))
-    assert any("train.rollout.pipeline: Input should be 'off' or 'one_step_off' (got 'two_steps_off')" in p
+    assert any("train.rollout.pipeline: Input should be 'off', 'one_step_off' or 'async' (got 'two_steps_off')" in p
                for p in refused({**GOOD, "train": {"rollout": {"pipeline": "two_steps_off"}}}))
+    # async gives the rollout its batches from a thread of the driver; multi-turn episodes are made on the driver's own
+    assert any(p.startswith("train.rollout.pipeline: async generates on a thread") and "one_step_off" in p
+               for p in refused({**apart, "train": {"rollout": {"pipeline": "async", "own_role": True},
+                                                    "environment": {"cls": "hpcrl.ppo.tasks.tool_sums:SumsEnvironment"}}}))
 
 
 def test_a_reward_fn_that_is_no_function_here_is_refused_before_submission(tmp_path):

@@ -93,7 +93,7 @@ def test_a_node_without_the_image_fails_the_barrier_naming_node_runtime_and_imag
     assert problems_before_submit(spec, job, ClusterInfo.live()) == []
     gone.unlink()
     handle = submit_hetjob(job, spec_data=spec.as_data())
-    wait_until(lambda: job_finished(handle.job_id), 120, "the job to fail")
+    wait_until(lambda: job_finished(handle.job_id), 300, "the job to fail")
     log = slurm_log(tmp_path / "run")
     node = json.loads((tmp_path / "run" / "allocation.json").read_text())["components"][1]["nodes"][0]["name"]
     why = f"node {node}: the image {gone} (for ch-run) does not exist there"

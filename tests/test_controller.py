@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import kill_dead
+from conftest import kill_dead, wait_until
 
 from hpcrl.controller import (
     Dispatch,
@@ -26,6 +26,7 @@ from hpcrl.controller import (
     register_dispatch,
 )
 from hpcrl.controller.batch import Batch
+from hpcrl.observe.overview import format_status
 
 # Every other rank gets the batch, the rest nothing: a custom mode to show the hook works.
 register_dispatch(DispatchMode("EVEN_RANKS", lambda n, a, k: [(a, k) if r % 2 == 0 else None for r in range(n)],
@@ -252,10 +253,15 @@ def test_standby_process_takes_over_a_dead_rank_with_its_imports_done(ray_local)
         a.start_standby()
         standby_pids = [int(p) for p in __import__("ray").get([h.pid.remote() for h in a._hosts.standby])]
         assert a.warmed_before_built() == [False, False]      # the ranks' own processes did not wait for it
+        ready = lambda: a.describe()["standby"]               # noqa: E731  (as status.json shows it)
+        wait_until(lambda: ready() == {"processes": 2, "ready": 2}, 60, "both standby processes warm")
         kill_dead(a.pids()[0])
         assert a.allreduce(1) == [3.0, 3.0]
         assert a.pids() == standby_pids
         assert a.warmed_before_built() == [True, True]        # a rebuild takes every rank's standby
+        wait_until(lambda: ready() == {"processes": 2, "ready": 2}, 60, "new standby processes")   # for the next
+        run = {"state": "running", "step": 3, "total_steps": 9, "updated": time.time(), "roles": {"a": a.describe()}}
+        assert "standby 2/2 warm" in format_status({"job": None, "ray": None, "run": run, "checkpoint": None})
     finally:
         a.shutdown()
     # auto: only where the processes hold GPUs (none here)

@@ -131,6 +131,7 @@ def wrong_token_node(run: Path, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_exclusive    # an urgent job preempts its node
 def test_a_rule_reward_grows_shrinks_and_is_requeued_with_its_satellites_training_bitwise_as_without(
         slurm_cluster, tmp_path, monkeypatch):
     """The reward role of jobs/tiny-cpu-elastic.yaml (1 node of its own component): `hpcrl scale

@@ -269,18 +269,24 @@ def test_layouts_that_do_not_divide_are_refused():
         s.check(1, 3)
 
 
-def test_torch_compile_caches_go_to_the_runs_cache_folder_unless_the_site_set_its_own(tmp_path, monkeypatch):
-    """A requeued job finds the kernels the job before it compiled: Inductor's cache, as torch itself
-    resolves it, is in the run's cache folder; a TORCHINDUCTOR_CACHE_DIR already set is kept."""
+def test_torch_compile_caches_go_to_the_users_cache_or_the_specs_unless_the_site_set_its_own(tmp_path, monkeypatch):
+    """A requeued job and the user's next run find the kernels compiled before: Inductor's cache, as
+    torch itself resolves it, is under $XDG_CACHE_HOME/hpcrl by default, or where the spec says; a
+    TORCHINDUCTOR_CACHE_DIR already set is kept."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     from hpcrl.engines.compile_cache import use_compile_cache
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    use_compile_cache(tmp_path / "cache")
-    assert cache_dir() == str(tmp_path / "cache" / "inductor")
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache" / "triton")
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    use_compile_cache("")
+    assert cache_dir() == str(tmp_path / "home-cache" / "hpcrl" / "torch-compile" / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "home-cache" / "hpcrl" / "torch-compile" / "triton")
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var)
+    use_compile_cache(tmp_path / "spec")      # train.engine.compile_cache
+    assert cache_dir() == str(tmp_path / "spec" / "inductor")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "site"))
     use_compile_cache(tmp_path / "other")
     assert cache_dir() == str(tmp_path / "site")

@@ -26,6 +26,8 @@ from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.episodes import Episodes, episode_scores
 from hpcrl.ppo.roles import Environments, Rollout, RuleReward
 
+XDIST_GROUP = "sandbox"    # one worker for the modules that run sandboxes: a test counts every sandbox process on the host
+
 
 def test_the_calculator_computes_what_python_does():
     rng = random.Random(7)

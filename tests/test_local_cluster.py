@@ -9,11 +9,12 @@ def test_plain_batch_job_runs(slurm_cluster, tmp_path):
     out = tmp_path / "out"
     jid = sh("sbatch", "--parsable", "-p", "cpu", "-o", str(out),
              "--wrap", "echo node=$SLURMD_NODENAME partition=$SLURM_JOB_PARTITION").strip()
-    wait_until(lambda: job_finished(jid), 30, f"job {jid}")
+    wait_until(lambda: job_finished(jid), 300, f"job {jid}")
     assert job_records(jid)[0]["JobState"] == "COMPLETED"
     assert out.read_text().strip() in ("node=cpun1 partition=cpu", "node=cpun2 partition=cpu")
 
 
+@pytest.mark.cluster_exclusive    # both a100 nodes at once: a hetjob starts only when all of it fits
 def test_hetjob_components_run_on_their_partitions(slurm_cluster, tmp_path):
     script = tmp_path / "het.sh"
     script.write_text(f"""#!/bin/bash
@@ -28,7 +29,7 @@ done
 wait
 """)
     jid = sh("sbatch", "--parsable", "-o", str(tmp_path / "out"), str(script)).strip()
-    wait_until(lambda: job_finished(jid), 30, f"hetjob {jid}")
+    wait_until(lambda: job_finished(jid), 300, f"hetjob {jid}")
     recs = {int(r["HetJobOffset"]): r for r in job_records(jid)}
     assert [recs[i]["Partition"] for i in range(3)] == ["h100", "a100", "cpu"]
     seen = {p.name: p.read_text().split() for p in tmp_path.glob("g*.*")}
@@ -42,6 +43,7 @@ wait
         assert gpus == ([] if group == 2 else ["0,1"] if group == 0 else ["0"])
 
 
+@pytest.mark.cluster_exclusive    # an urgent job preempts a100n2
 def test_urgent_job_preempts_and_victim_is_requeued(slurm_cluster, tmp_path):
     marks = tmp_path / "marks"
     victim = sh("sbatch", "--parsable", "-p", "a100", "-w", "a100n2", "--requeue", "-o", str(tmp_path / "v.out"),

@@ -204,6 +204,7 @@ def node_processes(job_id: str, node: str) -> list[int]:
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_exclusive    # its node is set DOWN
 def test_a_lost_node_requeues_the_whole_hetjob_and_resumes_from_the_last_periodic_checkpoint(
         slurm_cluster, tmp_path, pipelined_once):
     """jobs/tiny-cpu-pipelined.yaml (save_every: auto, its default). After its first periodic

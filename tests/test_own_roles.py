@@ -71,6 +71,7 @@ def test_a_spec_naming_code_that_is_not_there_is_refused_naming_the_field(tmp_pa
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_exclusive    # an urgent job preempts its node
 def test_own_role_on_its_component_and_own_loop_killed_and_preempted_train_as_the_builtin_loop(slurm_cluster, tmp_path):
     """jobs/tiny-cpu-rules.yaml with driver: hpcrl.jobs.own_loop:main, the rule engine's process
     killed (only that role is rebuilt) and the job preempted (it requeues and resumes); beside it,

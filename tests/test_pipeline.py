@@ -1,9 +1,10 @@
-"""Pipelined steps (train.pipeline: one_step_off) on real local Ray: the rollout generates ahead,
-weight-free scoring runs while the step before trains, the recorded policy versions, and a role
-rebuilt while the rollout goes on. Times come from the roles' own calls files
-(logs/<role>/rank0.calls.jsonl, written by each worker process)."""
+"""Pipelined steps (train.pipeline: one_step_off, async) on real local Ray: the rollout generates
+ahead, weight-free scoring runs while the step before trains, the recorded policy versions, a role
+rebuilt while the rollout goes on, and an asynchronous run's buffer kept by its checkpoint. Times
+come from the roles' own calls files (logs/<role>/rank0.calls.jsonl, written by each worker process)."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import LEARNING_STEPS, ROOT, kill_dead, run_local, start_local_training, wait_until
+from conftest import LEARNING_STEPS, ROOT, comparable, kill_dead, run_local, start_local_training, wait_until
 
 from hpcrl.observe.logs import read_calls
 from hpcrl.observe.metrics import read_metrics
@@ -54,6 +55,42 @@ def test_a_slow_scorer_scores_batches_ahead_while_the_step_before_trains(tmp_pat
     # while the actor trained step k, the reward role was scoring a batch of a later step
     hidden = [k for k in range(2, 7) if any(overlap(scored[j], updated[k]) for j in (k + 1, k + 2))]
     assert hidden == [2, 3, 4, 5, 6], {k: (scored[k], updated[k]) for k in scored}
+
+
+def test_an_async_run_stays_within_its_staleness_bound_and_resumes_its_buffer_bitwise(tmp_path):
+    """pipeline: async, max_staleness 2, a checkpoint at step 4 holding the buffer. Which weights a
+    batch gets depends on how fast each side runs; what a resumed run trains does not: the
+    buffered batches bitwise, and every later step whose batch got the same weights as in the run
+    that went on uninterrupted (a batch is its prompts, its seed and its weights)."""
+    k, total = 2, 8
+    cfg = TrainConfig(total_steps=total, max_staleness=k, save_every=4, rollout_role=True, pipeline="async",
+                      progress=False, tis_cap=2.0).updated(checkpoint={"keep_last": 2})
+    once, twice = tmp_path / "once", tmp_path / "twice"
+    records = run_local(once, cfg)
+    lags, versions = [r["policy/lag"] for r in records], [r["policy/version"] for r in records]
+    assert lags[0] == 0 and all(0 <= lag <= k for lag in lags), lags
+    assert versions == sorted(versions), versions      # each batch samples with weights no older than the one before
+    assert all(0 <= r["buffer/depth"] <= k + 1 and r["timing/rollout_idle"] >= 0 for r in records), records
+    generated = sorted((c for c in read_calls(once)["rollout"] if c["method"] == "generate_sequences"),
+                       key=lambda c: c["start"])
+    # batches 1..8 (numbered as drawn), each generated once, one at a time: the next given to the
+    # rollout only once the one before was done, so the weights sent meanwhile came first
+    assert [c["step"] for c in generated] == list(range(1, total + 1))
+    assert all(a["end"] <= b["start"] for a, b in zip(generated, generated[1:])), generated
+    manifest = json.loads((once / "ckpt" / "step_00000004" / "MANIFEST.json").read_text())
+    assert "inflight" in manifest, manifest
+
+    # the same run from its checkpoint of step 4: the buffer (batches 5 and 6) comes back with it
+    shutil.copytree(once, twice, ignore=shutil.ignore_patterns("ray", "logs"))
+    shutil.rmtree(twice / "ckpt" / "step_00000008")
+    (twice / "ckpt" / "LATEST").write_text("step_00000004\n")
+    resumed = run_local(twice, cfg)
+    assert [r["step"] for r in resumed] == list(range(1, total + 1))
+    again = [c["step"] for c in read_calls(twice)["rollout"] if c["method"] == "generate_sequences"]
+    assert sorted(again) == [7, 8], again      # 5 and 6 were in the checkpoint
+    same = next((i for i in range(4, total) if resumed[i]["policy/version"] != versions[i]), total)
+    assert same >= 6, (versions, [r["policy/version"] for r in resumed])
+    assert comparable(resumed[:same]) == comparable(records[:same])
 
 
 def test_while_the_critic_is_rebuilt_the_rollout_has_the_next_batch_in_hand(tmp_path):

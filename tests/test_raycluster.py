@@ -107,7 +107,7 @@ def test_two_jobs_each_get_their_own_labelled_secured_cluster(slurm_cluster, tmp
     # both ran on the same a100 nodes at the same time, on different ports
     assert results[0]["address"] != results[1]["address"]
     for job in jobs:
-        wait_until(lambda: job_finished(job.job_id), 60, "job end")
+        wait_until(lambda: job_finished(job.job_id), 300, "job end")
         wait_until(lambda: not ray_processes_of(job.job_id), 15, f"no Ray process of job {job.job_id}")
 
 
@@ -121,7 +121,7 @@ def test_a_node_that_never_starts_fails_the_barrier_by_name(slurm_cluster, tmp_p
     (tmp_path / "run" / "logs").mkdir(parents=True)
     (tmp_path / "job.sbatch").write_text(script)
     jid = sh("sbatch", "--parsable", str(tmp_path / "job.sbatch")).strip()
-    wait_until(lambda: job_finished(jid), 90, "job end")
+    wait_until(lambda: job_finished(jid), 300, "job end")
     assert job_records(jid)[0]["JobState"] == "FAILED"
     out = (tmp_path / "run" / "logs" / f"slurm-{jid}.out").read_text()
     node = re.search(r"component 2 \(ref,reward\) on cpu: (\w+)@", out).group(1)
@@ -146,7 +146,7 @@ def test_mpi_rendezvous_brings_up_the_same_cluster(slurm_cluster, tmp_path):
     assert cluster["bootstrap"] == "mpi"
     ready = (tmp_path / "mpi" / "ray" / f"ready.{cluster['run_id']}").read_text()
     assert re.fullmatch(r"4 nodes after [\d.]+ s \(MPI rendezvous\)\n", ready), ready
-    wait_until(lambda: job_finished(job.job_id), 60, "job end")
+    wait_until(lambda: job_finished(job.job_id), 300, "job end")
     wait_until(lambda: not ray_processes_of(job.job_id), 15, f"no Ray process of job {job.job_id}")
 
 

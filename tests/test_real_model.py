@@ -253,6 +253,7 @@ def test_ppo_on_the_real_model_as_a_hetjob_validates_and_exports(slurm_cluster, 
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_exclusive    # an urgent job preempts its node
 def test_grpo_on_the_real_model_is_preempted_and_resumes_bitwise(slurm_cluster, smollm2, chain_sums, tmp_path):
     """GRPO (no critic) on the real model for 3 steps, once straight and once preempted after its
     first (two steps after it to resume, so that the preemption always lands before the last): the

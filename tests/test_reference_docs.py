@@ -68,7 +68,7 @@ def test_a_field_holding_a_model_gets_a_table_at_its_path():
 
 
 ROLES = {"ppo": {"actor_rollout": None, "critic": None, "ref": None, "reward": None,
-                 "rule_engine": "hpcrl.jobs.rule_engine:RuleEngineWorker"},
+                 "rule_engine": "hpcrl.jobs.rule_engine:RuleEngineWorker", "rollout": None},
          "grpo": {"actor_rollout": None, "reward": None, "env": None}}
 """Each run's roles, and the worker class of a role of your own."""
 HELD_OUT = [{"prompt": "12=", "data_source": "copy"}, {"prompt": "34=", "data_source": "other"}]
@@ -76,12 +76,14 @@ HELD_OUT = [{"prompt": "12=", "data_source": "copy"}, {"prompt": "34=", "data_so
 
 def training_settings(held_out) -> dict[str, dict]:
     """Each run's `train:`, the one place that names settings: flat keys, which the sectioned
-    `train:` reads too (with a note naming each new key). Every role in one process: one process
-    start, not five."""
+    `train:` reads too (with a note naming each new key). Every role in one process (one process start,
+    not five), but PPO's rollout: asynchronous, it runs beside the trainers."""
     small = {"total_steps": 2, "batch_size": 8, "mini_batch_size": 8, "micro_batch_size": 8, "ppo_epochs": 1,
              "progress": False, "save_every": 1}
-    return {"ppo": {**small, "colocate": [list(ROLES["ppo"])], "val_dataset": str(held_out), "val_every": 2,
+    return {"ppo": {**small, "colocate": [list(ROLES["ppo"])[:-1]], "val_dataset": str(held_out), "val_every": 2,
                     "val_before_train": True,
+                    # a rollout role of its own, asynchronous: the buffer/ metrics
+                    "rollout": {"own_role": True, "pipeline": "async"},
                     "rewards": [{"role": "reward"},
                                 {"role": "rule_engine", "method": "compute_rule_score", "weight": 0.5}]},
             "grpo": {**small, "colocate": [list(ROLES["grpo"])], "advantage": "grpo", "n_samples": 2, "kl_coef": 0.0,
@@ -110,7 +112,7 @@ def train_locally(run_dir, train: dict, roles: dict[str, str | None]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The run directories of a PPO run (critic, reference, two reward terms, validation on prompts
-    of two data sources) and a multi-turn GRPO run, 2 steps each."""
+    of two data sources, an asynchronous rollout role) and a multi-turn GRPO run, 2 steps each."""
     tmp = tmp_path_factory.mktemp("runs")
     held_out = tmp / "held_out.jsonl"
     held_out.write_text("".join(json.dumps(p) + "\n" for p in HELD_OUT))

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, plot_pixels_seen_by_chromium, sh, wait_until
 
 from hpcrl.observe.logs import follow, run_ended
-from hpcrl.observe.report import CURVES, restarts, timeline_spans
+from hpcrl.observe.report import CURVES, restarts, timeline_spans, utilisation
 from hpcrl.observe.status import RunStatus
 from hpcrl.slurm.sbatch import component_states
 
@@ -50,6 +50,17 @@ def test_the_timeline_holds_the_calls_of_the_last_steps_clipped_to_them():
     assert timeline_spans({}, records) is None
 
 
+def test_each_roles_busy_share_of_each_step_is_its_calls_time_within_the_step():
+    records = [{"step": 0, "time": 5.0}] + [{"step": s, "time": 10.0 * s} for s in range(1, 4)]   # validation at 0
+    calls = {"rollout": [{"start": 2.0, "end": 8.0}, {"start": 9.0, "end": 14.0}, {"start": 25.0, "end": 40.0}],
+             "actor_rollout": [{"start": 12.0, "end": 13.0}]}
+    # step 1 runs from the first call (2) to 10, step 2 from 10 to 20, step 3 from 20 to 30
+    busy = utilisation(calls, records)
+    assert busy["rollout"] == [(1, 7 / 8), (2, 0.4), (3, 0.5)]
+    assert busy["actor_rollout"] == [(1, 0.0), (2, 0.1), (3, 0.0)]
+    assert utilisation({}, records) == {}
+
+
 def test_restarts_are_the_later_starts():
     assert restarts([{"event": "start", "step": 0}, {"event": "checkpoint", "step": 5},
                      {"event": "start", "step": 5}, {"event": "start", "step": 9}]) == [5, 9]
@@ -64,8 +75,9 @@ def test_report_writes_pngs_and_an_html_that_chromium_renders(tmp_path):
     index = run / "report" / "index.html"
     assert out.stdout.strip() == f"report: {index}"
     pngs = {p.name for p in (run / "report").glob("*.png")}
-    # no held-out set, and single-turn: no validation or episodes curve
-    assert pngs == {"timeline.png", *(name for name, *_ in CURVES if name not in ("validation.png", "episodes.png"))}
+    # no held-out set, single-turn, not asynchronous: no validation, episodes or buffer curve
+    assert pngs == {"timeline.png", "utilisation.png",
+                    *(name for name, *_ in CURVES if name not in ("validation.png", "episodes.png", "buffer.png"))}
     for name in pngs:
         assert (run / "report" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = index.read_text()

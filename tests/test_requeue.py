@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import (PIPELINED_STEPS, ROOT, comparable, in_container, in_image, job_finished, job_records, kill_dead,
+from conftest import (CLUSTER_TURNS, PIPELINED_STEPS, ROOT, comparable, in_container, in_image, job_finished, job_records, kill_dead,
                       plot_pixels_seen_by_chromium, preempt_and_finish, sh, short_spec, slurm_log, start_local_training,
                       submit, wait_until)
 
@@ -110,6 +110,7 @@ def status(run) -> dict:
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_exclusive    # an urgent job preempts its node
 def test_preempted_pipelined_hetjob_resumes_bitwise_lossless(slurm_cluster, tmp_path, image, pipelined_once):
     """jobs/tiny-cpu-pipelined.yaml, on the host; then with the actor's and the reference's
     components in slurm/image's Charliecloud image (the rollout, whose node runs the driver, and the
@@ -155,13 +156,14 @@ def time_limited_jobs(slurm_cluster, tmp_path_factory):
     (sent to job steps, so only once the function's step runs), max_restarts 3."""
     tmp = tmp_path_factory.mktemp("limited")
     sbatch_run, submitit_run = tmp / "sbatch", tmp / "submitit"
-    jobs = {"sbatch": (submit(time_limited_spec(tmp, max_restarts=1), sbatch_run), sbatch_run)}
-    subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(time_limited_spec(tmp, max_restarts=3, minutes=3, lead=60)),
-                    "--via", "submitit", "--run-dir", str(submitit_run)], check=True, capture_output=True, cwd=ROOT)
-    jobs["submitit"] = (json.loads((submitit_run / "job.json").read_text())["job_id"], submitit_run)
-    yield jobs
-    for job, _ in jobs.values():
-        sh("scancel", job, check=False)
+    with CLUSTER_TURNS.shared():    # the jobs run between the tests: no exclusive test meanwhile
+        jobs = {"sbatch": (submit(time_limited_spec(tmp, max_restarts=1), sbatch_run), sbatch_run)}
+        subprocess.run([sys.executable, "-m", "hpcrl", "submit", str(time_limited_spec(tmp, max_restarts=3, minutes=3, lead=60)),
+                        "--via", "submitit", "--run-dir", str(submitit_run)], check=True, capture_output=True, cwd=ROOT)
+        jobs["submitit"] = (json.loads((submitit_run / "job.json").read_text())["job_id"], submitit_run)
+        yield jobs
+        for job, _ in jobs.values():
+            sh("scancel", job, check=False)
 
 
 @pytest.mark.slurm

@@ -15,6 +15,8 @@ import pytest
 
 from hpcrl.environments.sandbox import Execution, Limits, SandboxUnavailable, check_sandbox, run_python
 
+XDIST_GROUP = "sandbox"    # one worker for the modules that run sandboxes: a test counts every sandbox process on the host
+
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None,
                                 reason="bwrap is not installed (apt-get install bubblewrap; .ci/install does)")
 

@@ -35,6 +35,7 @@ def test_sweep_words_make_axes_and_every_combination():
 
 
 @pytest.mark.slurm
+@pytest.mark.cluster_exclusive    # the queue before and after is the same
 @pytest.mark.usefixtures("slurm_cluster")
 def test_one_bad_combination_submits_nothing(tmp_path):
     before = queue_ids()

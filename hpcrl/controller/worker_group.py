@@ -112,6 +112,7 @@ class _HostSet:
         self.standby_setting = standby
         self.devices: list[str] = []
         self.standby: list = []
+        self.standby_warm: list = []     # each standby's warm-up, as a future
         self.standby_started = False     # start_standby: after the run's start, not competing with it
         self.last_restore: dict = {}     # _restore's parts, seconds
         self.retired: set[str] = set()   # actor ids replaced by a rebuild: errors from them are old news
@@ -229,8 +230,8 @@ class _HostSet:
         for a in self.standby:
             ray.kill(a, no_restart=True)
         self.standby = [self._host(r, standby=True) for r in range(len(self.actors))] if self.keep_standby else []
-        for host in self.standby:      # meanwhile, idle: nothing waits for it
-            host.warm.remote(self.workers)
+        # meanwhile, idle: nothing waits for it; whether each is warm is read from its future, no Ray call
+        self.standby_warm = [host.warm.remote(self.workers).future() for host in self.standby]
 
     def owns(self, actor_id: str | None) -> int | None:
         for rank, a in enumerate(self.actors):
@@ -273,7 +274,7 @@ class _HostSet:
         self._retire(self.actors)
         ranks = set(range(len(self.actors)))
         if self.standby:
-            hosts, self.standby = self.standby, []
+            hosts, self.standby, self.standby_warm = self.standby, [], []
             self._form(hosts, ranks, self.gpu_ids)
         else:
             self._form([self._host(r) for r in ranks], ranks)
@@ -505,6 +506,8 @@ class WorkerGroup:
         return {"world_size": self.world_size, "state": h.state, "restarts": h.restarts_total,
                 "last_error": h.last_error, "process": h.name, "elastic": h.elastic, "last_hang": h.last_hang,
                 "last_restore": h.last_restore,
+                "standby": {"processes": len(h.standby),
+                            "ready": sum(f.done() and not f.exception() for f in h.standby_warm)},
                 "deadlines": h.deadlines.describe(),
                 "ranks": [{"rank": r, "node_ip": h.pool.node_of(r).ip, "node": h.pool.node_of(r).name,
                            "origin": h.pool.node_of(r).origin, "pid": pid} for r, pid in enumerate(h.pids)]}

@@ -50,7 +50,8 @@ EVENTS: dict[str, EventKind] = {
         "or checkpoint, the calls made since replayed)",
         {"role": "the role",
          "step": "the step in progress",
-         "generating": "the steps whose batches the rollout goes on generating meanwhile (pipelined runs)"}),
+         "generating": "the steps whose batches the rollout goes on generating meanwhile (pipelined runs; "
+                       "`pipeline: async`: the buffer's batches, numbered as drawn)"}),
     "rebuilt": EventKind(
         "the role is back, with the state it had",
         {"role": "the role",

@@ -120,7 +120,9 @@ def format_status(st: dict) -> str:
         for name, role in run["roles"].items():
             ranks = " ".join(f"rank{r['rank']}@{r['node']}({r.get('origin', 'component')}, pid {r['pid']})"
                              for r in role["ranks"])
-            lines.append(f"  {name:16s} {role['state']:10s} restarts {role['restarts']}  {ranks}")
+            standby = role.get("standby") or {}
+            warm = f"  standby {standby['ready']}/{standby['processes']} warm" if standby.get("processes") else ""
+            lines.append(f"  {name:16s} {role['state']:10s} restarts {role['restarts']}  {ranks}{warm}")
             if role.get("last_error"):
                 lines.append(f"  {'':16s} last error: {role['last_error']}")
             if hang := role.get("last_hang"):

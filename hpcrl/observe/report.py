@@ -4,7 +4,8 @@
 Reads only files: metrics.jsonl (one record per step, continuous across requeues since a resumed
 run truncates to its checkpoint), events.jsonl (starts, checkpoints), spec.yaml, allocation.json,
 and the roles' calls (logs/<role>/rank0.calls.jsonl) for the timeline: one lane per role on a time
-axis over the last steps, where a pipelined run's overlap shows. Works on a running, finished or
+axis over the last steps, where a pipelined run's overlap shows; and for each role's busy share of
+every step, over the whole run (how well each partition is used: an asynchronous run's aim). Works on a running, finished or
 requeued run. Restarts are dashed vertical lines on every curve, and a role's resizes (hpcrl scale)
 dotted ones labelled with the role and its new world size.
 """
@@ -37,7 +38,10 @@ CURVES = [
                                              ("env/tool_errors", "tool errors"), ("env/failed", "failed")],
      "per episode"),
     ("step_time.png", "Time per step", [("timing/step", "step"), ("timing/generate", "waiting for its batch"),
-                                        ("timing/environment", "of which the environment")], "seconds"),
+                                        ("timing/environment", "of which the environment"),
+                                        ("timing/rollout_idle", "rollout idle (async)")], "seconds"),
+    ("buffer.png", "Asynchronous rollout's buffer", [("buffer/depth", "generated batches when a step took one")],
+     "batches"),
 ]
 TIMELINE_STEPS = 6    # the timeline shows the last few steps: a whole run's calls would merge into one bar
 
@@ -105,6 +109,19 @@ def timeline_spans(calls: dict[str, list[dict]], records: list[dict], steps: int
     return t0, t1, {r: spans for r, spans in lanes.items() if spans}, [e - t0 for e in ends if t0 < e <= t1]
 
 
+def utilisation(calls: dict[str, list[dict]], records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """Per role, (step, the share of that step's time its rank 0 spent in calls): a step's time runs
+    from the end of the step before (the first: from the first call) to its own record, so the first
+    step after a restart counts the time the run was down."""
+    ends = [(r["step"], r["time"]) for r in records if "time" in r and r.get("step")]
+    if not ends or not calls:
+        return {}
+    begin = min(c["start"] for cs in calls.values() for c in cs)
+    spans = [(step, t0, t1) for (step, t1), t0 in zip(ends, [begin] + [t for _, t in ends[:-1]]) if t1 > t0]
+    return {role: [(step, min(1.0, sum(max(0.0, min(c["end"], t1) - max(c["start"], t0)) for c in cs) / (t1 - t0)))
+                   for step, t0, t1 in spans] for role, cs in calls.items()}
+
+
 def timeline_chart(ax, spans) -> None:
     """One lane per role; a bar per call, coloured by method; thin lines where steps ended."""
     from matplotlib.patches import Patch
@@ -163,7 +180,19 @@ def write_report(run_dir: Path) -> Path:
         fig.savefig(out / "validation_time.png", dpi=110)
         plt.close(fig)
         figures.append(("validation_time.png", "Held-out score against training time"))
-    spans = timeline_spans(read_calls(run_dir), records)
+    calls = read_calls(run_dir)
+    if busy := utilisation(calls, records):
+        partition = {role: r.get("partition") for role, r in _spec(run_dir).get("roles", {}).items()}
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for role, shares in busy.items():
+            ax.plot(*zip(*shares), linewidth=1.2, label=role + (f" ({partition[role]})" if partition.get(role) else ""))
+        ax.set(title="Busy share of each role's rank 0, per step", xlabel="step", ylabel="fraction of the step", ylim=(0, 1.05))
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "utilisation.png", dpi=110)
+        plt.close(fig)
+        figures.append(("utilisation.png", "Busy share of each role per step"))
+    spans = timeline_spans(calls, records)
     if spans:
         fig, ax = plt.subplots(figsize=(10, 1.2 + 0.45 * len(spans[2])))
         timeline_chart(ax, spans)
@@ -240,11 +269,16 @@ def _trend(name: str, records: list[dict], key: str) -> list[tuple[str, str]]:
     return [(name, f"{first[key]:.3f} at step {first['step']} → {last[key]:.3f} at step {last['step']}")]
 
 
-def _html(run_dir, records, events, restart_steps, figures) -> str:
+def _spec(run_dir) -> dict:
+    """The run's spec.yaml, {} where there is none."""
     import yaml
 
-    spec_path, alloc_path = RunDir(run_dir).spec, RunDir(run_dir).allocation
-    spec = yaml.safe_load(spec_path.read_text()) if spec_path.exists() else {}
+    path = RunDir(run_dir).spec
+    return yaml.safe_load(path.read_text()) if path.exists() else {}
+
+
+def _html(run_dir, records, events, restart_steps, figures) -> str:
+    spec, alloc_path = _spec(run_dir), RunDir(run_dir).allocation
     alloc = json.loads(alloc_path.read_text()) if alloc_path.exists() else {}
     status = read_status(run_dir) or {}
     nodes = {m: [n["name"] for n in c["nodes"]] for c in alloc.get("components", []) for m in c["members"]}

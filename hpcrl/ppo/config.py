@@ -200,17 +200,21 @@ class RolloutSettings(Settings):
     max_model_len: Count = 0
     """vLLM: longest prompt + response (0: the model's max_position_embeddings)"""
     cache_dir: PathText = ""
-    """compile caches of every engine (vLLM's; torch.compile's Inductor and Triton caches of the
-    training and static-cache engines) and vLLM's temp files; empty: RUN_DIR/cache, where a requeued
-    job finds what the job before it compiled. Runs that share one reuse each other's compiled kernels"""
-    pipeline: Literal["off", "one_step_off"] = "off"
+    """vLLM's caches (its compiled graphs) and temp files; empty: RUN_DIR/cache, where a requeued job
+    finds what the job before it compiled. Runs that share one reuse each other's compiled graphs"""
+    pipeline: Literal["off", "one_step_off", "async"] = "off"
     """"off": each step generates, scores and trains in turn. "one_step_off": the rollout role
     generates the batch of step k+1 (with the weights of step k−1) while step k is scored and
     trained, and scores it (reward, reference) while step k still trains; needs own_role.
-    The PPO ratio still uses log-probs the actor recomputes before its update"""
+    "async": the rollout role generates one batch after another without waiting for the updates,
+    each with the newest weights the actor has sent (loaded between two batches), into a buffer
+    the trainer takes its batches from; needs own_role. The PPO ratio still uses log-probs the
+    actor recomputes before its update"""
     max_staleness: PositiveInt = 1
     """one_step_off: batches generated ahead of the step being trained, so a batch trains with
-    weights this many updates newer than the ones that sampled it"""
+    weights this many updates newer than the ones that sampled it. async: the bound on that lag
+    (a batch trains at most this many updates after the weights that sampled it, less when the
+    rollout is the slower side), and the buffer's depth: batches drawn ahead of the one in training"""
     release_memory: bool = False
     """a rollout engine in a trainer's process (actor_rollout, own_role false) gives its GPU memory
     back after each generation (its copy of the weights, its KV cache, CUDA graphs), so that scoring
@@ -223,8 +227,8 @@ class RolloutSettings(Settings):
     def _combinations(self):
         if self.tensor_parallel > 1 and self.engine != "vllm":
             raise ValueError(f"tensor_parallel: {self.tensor_parallel} needs engine: vllm (or tensor_parallel: 1)")
-        if self.pipeline == "one_step_off" and not self.own_role:
-            raise ValueError("pipeline: one_step_off overlaps a separate rollout role with the trainers; set "
+        if self.pipeline != "off" and not self.own_role:
+            raise ValueError(f"pipeline: {self.pipeline} overlaps a separate rollout role with the trainers; set "
                              "own_role: true (and give roles.rollout its nodes), or pipeline: off")
         return self
 
@@ -246,6 +250,13 @@ class EngineSettings(Settings):
     activations: fewer, larger kernels; the first steps pay the compilation, tens of seconds per
     role, once per kind of call: with or without gradients or padding). false: eager, e.g. for a
     model Inductor cannot compile"""
+    compile_cache: PathText = ""
+    """where torch.compile keeps what it compiled for the training engines and the static-cache
+    rollout (Inductor's graphs, Triton's kernels); empty: $XDG_CACHE_HOME/hpcrl/torch-compile
+    (~/.cache/hpcrl/...), yours alone and shared by your runs: a requeued job, and your next run of
+    the same model and shapes, on any node that mounts your home, load the kernels compiled before
+    (Dynamo still traces each graph again in each new process). A TORCHINDUCTOR_CACHE_DIR or
+    TRITON_CACHE_DIR set in the environment is kept"""
     activation_checkpointing: bool = False
     """keep only each decoder layer's input from the forward and compute the rest of its activations
     again in the backward (per layer: torch's non-reentrant checkpoint, megatron's full recompute):
@@ -596,7 +607,7 @@ class TrainConfig(Settings):
 
     PATHS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("data", "dataset"), ("validation", "dataset"), ("reward", "model_dir"), ("model", "path"),
-        ("model", "critic_init"), ("rollout", "cache_dir"))
+        ("model", "critic_init"), ("rollout", "cache_dir"), ("engine", "compile_cache"))
     """Settings that name files or folders: taken relative to where the spec is loaded, as run_dir is
     (the job's steps run in the run directory)."""
 
@@ -638,10 +649,13 @@ class TrainConfig(Settings):
         if per_step % self.optim.mini_batch_size:
             p.append(f"optim.mini_batch_size: {self.optim.mini_batch_size} does not divide data.batch_size × "
                      f"rollout.n_samples = {per_step}")
-        if self.rollout.pipeline == "one_step_off" and any("rollout" in g and "actor_rollout" in g
-                                                           for g in self.layout.colocate):
-            p.append("rollout.pipeline: one_step_off, but layout.colocate puts rollout in actor_rollout's processes, "
-                     "where the two cannot run at once; place rollout apart, or pipeline: off")
+        if self.rollout.pipeline != "off" and any("rollout" in g and "actor_rollout" in g
+                                                  for g in self.layout.colocate):
+            p.append(f"rollout.pipeline: {self.rollout.pipeline}, but layout.colocate puts rollout in actor_rollout's "
+                     "processes, where the two cannot run at once; place rollout apart, or pipeline: off")
+        if self.rollout.pipeline == "async" and self.environment.cls:
+            p.append("rollout.pipeline: async generates on a thread of the driver, but multi-turn episodes "
+                     "(environment.cls) are made turn by turn on the driver's own; use pipeline: one_step_off")
         if self.optim.micro_batch_tokens and self.engine.backend == "megatron":
             p.append("optim.micro_batch_tokens: needs engine.backend: torch (megatron's pipeline sends micro-batches "
                      "of one shape); set it to 0")
@@ -663,7 +677,7 @@ class TrainConfig(Settings):
         """The path settings that name nothing here (checked before submission: the login node sees
         the shared filesystem the job will read them from)."""
         return [f"train.{section}.{name}: {value} does not exist (a path on storage every node sees)"
-                for section, name, value in self._paths() if name != "cache_dir" and not Path(value).exists()]
+                for section, name, value in self._paths() if name not in ("cache_dir", "compile_cache") and not Path(value).exists()]
 
     def _paths(self) -> list[tuple[str, str, str]]:
         """(section, name, value) of every path setting that is set (critic_init "actor" is not a path)."""

@@ -4,6 +4,9 @@ of the built-in loop (hpcrl/ppo/loop.py).
     Lookahead    the batches generated ahead of the step in training (`train.rollout.max_staleness`
                  with `pipeline: one_step_off`, none otherwise), each with the scoring that needs no
                  trained weights issued as soon as it exists
+    Producer     `pipeline: async`: the same buffer, filled by a thread that gives the rollout its
+                 next batch the moment it has finished the one before, so it samples with the
+                 newest weights and never waits for an update while the buffer has room
     WeightSync   the actor's weights to the engine that generates: the rollout role's (sent as a
                  future its next generation waits behind; by CUDA IPC, a collective group or Ray's
                  object store) or the actor's own, and again after either role is rebuilt or resized
@@ -11,11 +14,13 @@ of the built-in loop (hpcrl/ppo/loop.py).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections import deque
 from typing import Callable
 
 import numpy as np
+import ray
 
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
@@ -92,6 +97,148 @@ class Lookahead:
         prompts.meta.update(step=step, **({"draw": draw} if draw else {}))
         generated = self.generate(prompts)
         return Generation(step, generated, [m.future(generated) for m in self.early])
+
+
+class Producer:
+    """`pipeline: async`: the rollout generates one batch after another into a buffer the trainer
+    takes its batches from. The driver's thread draws the prompts, `bound` batches ahead of the one
+    in training, and issues the scoring that needs no trained weights (`early`) on each batch once
+    it is generated; a thread of its own gives the rollout the next drawn batch the moment the one
+    before is generated. The rollout runs its calls in the order they come, so the weights the
+    actor sent meanwhile are loaded first: each batch samples with the newest weights there are, and
+    none waits for an update while the buffer has room (`timing/rollout_idle`: the time it did).
+
+    The staleness bound holds at the source: a batch is drawn when the one `bound` places before it
+    is taken, and trained at most `bound` steps later, so it trains at most `bound` updates after its
+    weights, whichever weights it got; nothing is generated to be thrown away. Batches are numbered
+    in the order they are drawn (the seed of their sampling, meta["step"]); a step's dynamic-sampling
+    refill is the next batch of the buffer. Which weights a batch samples with depends on how fast
+    each side runs; what is drawn, and so what a checkpoint keeps, does not."""
+
+    def __init__(self, dataset, generate: Callable, early: list, n_samples: int, bound: int, total_steps: int):
+        self.dataset, self.generate, self.early = dataset, generate, early
+        self.n_samples, self.bound, self.total_steps = n_samples, bound, total_steps
+        self.ahead: deque[Generation] = deque()      # drawn and not taken, in order
+        self.waiting: deque[tuple[Generation, object]] = deque()     # drawn, not yet given to the rollout
+        self.drawn = 0                   # the number of the last batch drawn
+        self.scoring: set[int] = set()   # batches whose early scoring was issued
+        self.idle = 0.0                  # seconds the rollout had nothing to generate, since the last report
+        self.depth = 0                   # generated batches in the buffer when the last one was taken
+        self.last_done: float | None = None
+        self.changed = threading.Condition()
+        self.closed = False
+        self.thread: threading.Thread | None = None
+
+    def resume(self, step: int, inflight: list[Batch]) -> None:
+        """Continue after `step` with the batches a checkpoint kept (generated and scored early)."""
+        self.ahead.extend(Generation(b.meta["step"], b, []) for b in inflight)
+        self.scoring.update(g.step for g in self.ahead)
+        self.drawn = max((g.step for g in self.ahead), default=step)
+
+    def take(self, step: int) -> Generation:
+        """The oldest batch of the buffer, after drawing up to `bound` more behind it (fewer near the end)."""
+        while len(self.ahead) < 1 + min(self.bound, self.total_steps - step):
+            self._draw()
+        g = self.ahead.popleft()
+        self._wait_issued(g)
+        self._issue_scoring([g, *self.ahead])
+        self.depth = sum(self._done(h) for h in (g, *self.ahead))
+        return g
+
+    def refill(self, step: int, draw: int) -> Generation:
+        """One more batch for `step` (dynamic sampling's refill `draw`): the next one of the buffer."""
+        return self.take(step)
+
+    def steps(self) -> list[int]:
+        """The numbers of the batches in the buffer."""
+        return [g.step for g in self.ahead]
+
+    def held(self) -> Callable[[], list[Batch]]:
+        """The batches of the buffer now, generated and scored early, to collect later (a checkpoint
+        keeps them: a resumed run could not make them again)."""
+        ahead = list(self.ahead)
+
+        def collect() -> list[Batch]:
+            for g in ahead:
+                self._wait_issued(g)
+            self._issue_scoring(ahead)
+            return [g.collect() for g in ahead]
+        return collect
+
+    def measures(self) -> dict:
+        """The buffer's metrics of the step that took its batch last (hpcrl/ppo/step_metrics.py)."""
+        with self.changed:
+            idle, self.idle = self.idle, 0.0
+        return {"buffer/depth": self.depth, "timing/rollout_idle": round(idle, 4)}
+
+    def close(self) -> None:
+        """Stop giving the rollout batches (the one it is generating is not waited for)."""
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+        if self.thread is not None:
+            self.thread.join()
+
+    def _draw(self) -> None:
+        self.drawn += 1
+        prompts = self.dataset.next_batch()
+        if self.n_samples > 1:      # group numbers unique across batches: a refill joins its step's batch
+            groups = len(prompts)
+            prompts = prompts.repeat(self.n_samples)
+            prompts["group"] = np.repeat(np.arange(groups) + self.drawn * groups, self.n_samples)
+        prompts.meta.update(step=self.drawn)
+        g = Generation(self.drawn, None, [])
+        self.ahead.append(g)
+        with self.changed:
+            self.waiting.append((g, prompts))
+            self.changed.notify_all()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._produce, name="hpcrl-producer", daemon=True)
+            self.thread.start()
+
+    def _produce(self) -> None:
+        """The thread: the next drawn batch to the rollout once it has generated the one before."""
+        while True:
+            with self.changed:
+                while not self.waiting and not self.closed:
+                    self.changed.wait()
+                if self.closed:
+                    return
+                g, prompts = self.waiting.popleft()
+                if self.last_done is not None:
+                    self.idle += time.monotonic() - self.last_done
+                g.generated = self.generate(prompts)
+                self.changed.notify_all()
+            # (a rank that died answers with its error: the driver's collect rebuilds the role and asks again)
+            while not self.closed and not self._done(g, timeout=1.0):
+                pass
+            self.last_done = time.monotonic()
+
+    def _wait_issued(self, g: Generation) -> None:
+        """Until the rollout has been given `g`; once closed, given here (a checkpoint taken as the
+        run stops keeps every batch drawn)."""
+        with self.changed:
+            while g.generated is None and not self.closed:
+                self.changed.wait()
+            if g.generated is None:
+                prompts = next(p for w, p in self.waiting if w is g)
+                self.waiting = deque((w, p) for w, p in self.waiting if w is not g)
+                g.generated = self.generate(prompts)
+
+    def _issue_scoring(self, batches: list[Generation]) -> None:
+        """The early scoring of those of `batches` the rollout has been given, issued once (on the driver's thread)."""
+        with self.changed:
+            given = [g for g in batches if g.generated is not None and g.step not in self.scoring]
+        for g in given:
+            g.scored = [m.future(g.generated) for m in self.early]
+            self.scoring.add(g.step)
+
+    @staticmethod
+    def _done(g: Generation, timeout: float = 0) -> bool:
+        if g.generated is None or isinstance(g.generated, Batch):
+            return g.generated is not None
+        refs = g.generated.refs
+        return len(ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)[0]) == len(refs)
 
 
 class WeightSync:

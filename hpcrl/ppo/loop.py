@@ -25,7 +25,9 @@ ref unless it shares the actor's processes) as soon as it exists:
 
 Each batch records the policy version that sampled it; `max_staleness` batches are in flight, and a
 checkpoint keeps them (hpcrl/checkpoint/inflight.py), so a resumed run trains what an uninterrupted
-one would.
+one would. With `pipeline: async` the same loop takes its batches from a buffer the rollout fills
+without waiting for the updates, each batch given to it once it has finished the one before, so
+that it samples with the newest weights (Producer, hpcrl/ppo/generation.py).
 
 The loop (`ppo`) is written on the public RunContext (hpcrl/ppo/context.py), as a driver of your
 own is (`driver:` in the spec); `train` builds the roles and the context and runs either. Started by
@@ -56,7 +58,7 @@ from hpcrl.observe.startup import StartupClock
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.context import Driver, Inputs, RunContext, now, weighted_scores
-from hpcrl.ppo.generation import Generation, Lookahead, WeightSync
+from hpcrl.ppo.generation import Generation, Lookahead, Producer, WeightSync
 from hpcrl.ppo.episodes import episode_scores, turn_rewards
 from hpcrl.ppo.roles import ActorRollout, Critic, Environments, Reference, RewardModel, Rollout, RuleReward
 from hpcrl.ppo.roles.custom import checkpointed, worker_class
@@ -282,7 +284,7 @@ def ppo(ctx: RunContext) -> str | None:
     sequential or pipelined as cfg.rollout.pipeline says; a driver of your own starts as a copy of it."""
     cfg, groups, status = ctx.cfg, ctx.groups, ctx.status
     actor, critic, ref, rollout = (groups.get(r) for r in ("actor_rollout", "critic", "ref", "rollout"))
-    pipelined = cfg.rollout.pipeline == "one_step_off"
+    pipelined = cfg.rollout.pipeline != "off"
     algorithm = cfg.algorithm
     kl_ctl = (algo.AdaptiveKLController(algorithm.kl_coef, algorithm.kl_target, algorithm.kl_horizon)
               if algorithm.kl_target else algo.FixedKLController(algorithm.kl_coef))
@@ -302,86 +304,95 @@ def ppo(ctx: RunContext) -> str | None:
     weight_free = [*ctx.scores] + ([ref.compute_ref_log_prob] if ref else [])
     early = [m for m in weight_free if pipelined and not any(m.wg.shares_processes_with(t) for t in (actor, critic) if t)]
     late = [m for m in weight_free if m not in early] + [actor.compute_log_prob] + ([critic.compute_values] if critic else [])
-    lookahead = Lookahead(ctx.dataset, ctx.generate, early, cfg.rollout.n_samples,
-                          cfg.rollout.max_staleness if pipelined else 0, cfg.total_steps)
+    buffered = cfg.rollout.pipeline == "async"
+    lookahead = (Producer if buffered else Lookahead)(ctx.dataset, ctx.generate, early, cfg.rollout.n_samples,
+                                                      cfg.rollout.max_staleness if pipelined else 0, cfg.total_steps)
     ctx.generating = lookahead.steps     # said when a role is rebuilt meanwhile
 
-    start = 0
-    if resumed := ctx.resume():
-        start = resumed.step
-        kl_ctl.value = resumed.state["kl_coef"]
-        weights.version = resumed.state.get("policy_version", start if start > cfg.optim.critic_warmup else 0)
-        lookahead.resume(start, resumed.inflight)
-        weights.send(weights.version)
-    if ctx.held_out is not None and cfg.validation.before_train and start == 0:
-        status.phase(0, "validate")
-        ctx.log({"step": 0, "time": round(time.time(), 3), **ctx.validate(0)})
-    bar = _progress(cfg, start)
-    for step in range(start + 1, cfg.total_steps + 1):
-        timer, t_step = _Timer(status, step), time.perf_counter()
+    try:
+        start = 0
+        if resumed := ctx.resume():
+            start = resumed.step
+            kl_ctl.value = resumed.state["kl_coef"]
+            weights.version = resumed.state.get("policy_version", start if start > cfg.optim.critic_warmup else 0)
+            lookahead.resume(start, resumed.inflight)
+            weights.send(weights.version)
+        if ctx.held_out is not None and cfg.validation.before_train and start == 0:
+            status.phase(0, "validate")
+            ctx.log({"step": 0, "time": round(time.time(), 3), **ctx.validate(0)})
+        bar = _progress(cfg, start)
+        for step in range(start + 1, cfg.total_steps + 1):
+            timer, t_step = _Timer(status, step), time.perf_counter()
 
-        # 1. this step's batch (the next ones issued first), then everything that reads it, issued
-        # together as futures: the batch goes rank to rank, not through the driver
-        def scored(generation: Generation) -> Batch:
-            with timer("generate"):      # multi-turn episodes are made right here, turn by turn
-                source = generation.generated
-                batch = generation.collect()
-                weights.arrived()               # the weights sent after the last update are in
-            with timer("score"):
-                for f in [m.future(source) for m in late]:
-                    batch = batch.union(f.result())
-                batch["scores"] = weighted_scores(batch, cfg.reward.terms())
-                batch["scores"] = episode_scores(batch, cfg.environment.failed_score)
-            return batch
+            # 1. this step's batch (the next ones issued first), then everything that reads it, issued
+            # together as futures: the batch goes rank to rank, not through the driver
+            def scored(generation: Generation) -> Batch:
+                with timer("generate"):      # multi-turn episodes are made right here, turn by turn
+                    source = generation.generated
+                    batch = generation.collect()
+                    weights.arrived()               # the weights sent after the last update are in
+                # each sample's: a step's batch and its refills may have been sampled with different weights
+                batch["policy_version"] = torch.full((len(batch),), int(batch.meta.get("policy_version", 0)))
+                with timer("score"):
+                    for f in [m.future(source) for m in late]:
+                        batch = batch.union(f.result())
+                    batch["scores"] = weighted_scores(batch, cfg.reward.terms())
+                    batch["scores"] = episode_scores(batch, cfg.environment.failed_score)
+                return batch
 
-        with timer("generate"):
-            current = lookahead.take(step)
-        batch = scored(current)
+            with timer("generate"):
+                current = lookahead.take(step)
+            batch = scored(current)
 
-        # 2. advantages, on the driver, of the samples the step trains on: with dynamic sampling,
-        # batches generated until data.batch_size groups are left (or the refills run out)
-        trained, refills = groups_to_train(batch, cfg), 0
-        while algorithm.dynamic_sampling and _groups(trained).unique().numel() < cfg.data.batch_size \
-                and refills < algorithm.refills:
-            refills += 1
-            batch = Batch.concat([batch, scored(lookahead.refill(step, refills))])
-            trained = groups_to_train(batch, cfg)
-        batch.meta["refills"] = refills
-        with timer("advantage"):
-            trained = first_groups(trained, cfg.data.batch_size)
-            kl_metrics = compute_advantages(trained, cfg, kl_ctl)
+            # 2. advantages, on the driver, of the samples the step trains on: with dynamic sampling,
+            # batches generated until data.batch_size groups are left (or the refills run out)
+            trained, refills = groups_to_train(batch, cfg), 0
+            while algorithm.dynamic_sampling and _groups(trained).unique().numel() < cfg.data.batch_size \
+                    and refills < algorithm.refills:
+                refills += 1
+                batch = Batch.concat([batch, scored(lookahead.refill(step, refills))])
+                trained = groups_to_train(batch, cfg)
+            batch.meta["refills"] = refills
+            with timer("advantage"):
+                trained = first_groups(trained, cfg.data.batch_size)
+                kl_metrics = compute_advantages(trained, cfg, kl_ctl)
 
-        # 3. updates: critic first, then actor, then the new weights to the generating engine (one
-        # after the other: at once they would contend for the cores of a shared host); none when
-        # dynamic sampling left nothing to train on
-        trained_with, critic_stats, actor_stats = weights.version, {}, {}
-        if critic and len(trained):
-            with timer("update_critic"):
-                critic_stats = critic.update_critic(pad_for_ranks(trained, critic.world_size))[0]
-        if step > cfg.optim.critic_warmup and len(trained):
-            with timer("update_actor"):
-                actor_stats = actor.update_actor(pad_for_ranks(trained, actor.world_size))[0]
-            with timer("sync_weights"):
-                weights.send(step, wait=not pipelined)
+            # 3. updates: critic first, then actor, then the new weights to the generating engine (one
+            # after the other: at once they would contend for the cores of a shared host); none when
+            # dynamic sampling left nothing to train on
+            trained_with, critic_stats, actor_stats = weights.version, {}, {}
+            if critic and len(trained):
+                with timer("update_critic"):
+                    critic_stats = critic.update_critic(pad_for_ranks(trained, critic.world_size))[0]
+            if step > cfg.optim.critic_warmup and len(trained):
+                with timer("update_actor"):
+                    actor_stats = actor.update_actor(pad_for_ranks(trained, actor.world_size))[0]
+                with timer("sync_weights"):
+                    weights.send(step, wait=not pipelined)
 
-        train_s = time.perf_counter() - t_step
-        val_scores = {}
-        if ctx.held_out is not None and cfg.validation.every and (step % cfg.validation.every == 0
-                                                                  or step == cfg.total_steps):
-            with timer("validate"):
-                val_scores = ctx.validate(step)
-        record = step_record(step, batch, trained, [s.role for s in cfg.reward.terms()], kl_metrics, actor_stats,
-                             critic_stats if critic else None, trained_with, timer.times,
-                             time.perf_counter() - t_step, train_s, val_scores)
-        ctx.log(record)
-        bar(record)
+            train_s = time.perf_counter() - t_step
+            val_scores = {}
+            if ctx.held_out is not None and cfg.validation.every and (step % cfg.validation.every == 0
+                                                                      or step == cfg.total_steps):
+                with timer("validate"):
+                    val_scores = ctx.validate(step)
+            record = step_record(step, batch, trained, [s.role for s in cfg.reward.terms()], kl_metrics, actor_stats,
+                                 critic_stats if critic else None, trained_with, timer.times,
+                                 time.perf_counter() - t_step, train_s, val_scores)
+            if buffered:
+                record.update(lookahead.measures())
+            ctx.log(record)
+            bar(record)
 
-        # 4. checkpoint: periodically, at the end, and when asked to stop (then stop); with the
-        # batches generated ahead, which a resumed run could not make again
-        if reason := ctx.end_step(step, {"kl_coef": kl_ctl.value, "policy_version": weights.version},
-                                  inflight=lookahead.held()):
-            return reason
-    return None
+            # 4. checkpoint: periodically, at the end, and when asked to stop (then stop); with the
+            # batches generated ahead, which a resumed run could not make again
+            if reason := ctx.end_step(step, {"kl_coef": kl_ctl.value, "policy_version": weights.version},
+                                      inflight=lookahead.held()):
+                return reason
+        return None
+    finally:
+        if buffered:
+            lookahead.close()
 
 
 def _progress(cfg: TrainConfig, start: int = 0):

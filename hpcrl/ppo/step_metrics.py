@@ -68,10 +68,20 @@ METRICS: dict[str, Metric] = {
                                        "groups (`train.algorithm.dynamic_sampling`, at most `train.algorithm.refills`); "
                                        "0 without dynamic sampling"),
     "policy/version": Metric("step", "the step whose actor update made the weights that sampled the batch (0: the "
-                                     "initial weights)"),
+                                     "initial weights); the oldest, when the samples trained on came from batches "
+                                     "sampled with different weights (dynamic sampling's refills)"),
     "policy/lag": Metric("updates", "how many updates older the sampling weights are than the actor the batch "
                                     "trains: 0 when each step generates with the newest weights, up to "
-                                    "`train.rollout.max_staleness` with `train.rollout.pipeline: one_step_off`"),
+                                    "`train.rollout.max_staleness` with `train.rollout.pipeline: one_step_off` "
+                                    "or `async` (with async, less when the rollout is the slower side); the "
+                                    "largest of the samples trained on"),
+    "policy/lag/<lag>": Metric("fraction of samples", "the staleness histogram: the share of the samples trained on "
+                                                      "(all of the step's where dynamic sampling kept none) that are "
+                                                      "<lag> updates old, one key per lag that occurs"),
+    "buffer/depth": Metric("batches", "`train.rollout.pipeline: async` only: batches already generated in the buffer "
+                                      "when the step took its batch, that one included (0: the trainer waited for "
+                                      "the rollout; `train.rollout.max_staleness` + 1: the rollout waited for the "
+                                      "trainer)"),
     "rollout/log_prob_diff": Metric("nats per token", "mean |log π_old − log π_rollout| over the response tokens: "
                                                       "the actor's recomputed log-probs against the sampler's "
                                                       "(kernels, precision, stale weights); null when the rollout "
@@ -108,6 +118,10 @@ METRICS: dict[str, Metric] = {
     "timing/update_actor": Metric("s", "the actor's updates; not logged during the critic's warm-up"),
     "timing/sync_weights": Metric("s", "the new weights to the generating engine (pipelined: sent off; the wait "
                                        "falls in the next step's `timing/generate`)"),
+    "timing/rollout_idle": Metric("s", "`train.rollout.pipeline: async` only: since the step before took its batch, "
+                                       "the time the rollout role had no batch to generate (the buffer was full: "
+                                       "the staleness bound held it back). The trainer's idle time is "
+                                       "`timing/generate`"),
     "timing/validate": Metric("s", "the validation after this step, when there was one"),
     "timing/step": Metric("s", "the whole step, validation included, checkpoint not"),
     "timing/startup": Metric("s", "on the first step of each start of the run only: from the start's beginning (the "
@@ -147,7 +161,11 @@ def step_record(step: int, batch: Batch, trained: Batch, terms: list[str], kl: d
     seconds with and without validation, and the validation's scores."""
     mask = batch["response_mask"]
     lengths = mask.sum(dim=1).float()
-    sampled = batch.meta.get("policy_version", 0)
+    sampled_by = trained if len(trained) else batch
+    versions = sampled_by["policy_version"] if "policy_version" in sampled_by else \
+        torch.full((len(sampled_by),), int(batch.meta.get("policy_version", 0)))     # a driver of your own's batch
+    lags, counts = np.unique(trained_with - versions.numpy(), return_counts=True)
+    sampled = int(versions.min())
     return {"step": step, "time": round(time.time(), 3),
             "reward/mean": float(batch["scores"].mean()), "reward/max": float(batch["scores"].max()),
             **({f"score/{role}": float(batch[f"score/{role}"].mean()) for role in terms} if len(terms) > 1 else {}),
@@ -162,6 +180,7 @@ def step_record(step: int, batch: Batch, trained: Batch, terms: list[str], kl: d
             "batch/kept_groups": len(np.unique(trained["group"])) if "group" in trained else len(trained),
             "batch/refills": batch.meta.get("refills", 0),
             "policy/version": sampled, "policy/lag": trained_with - sampled,
+            **{f"policy/lag/{lag}": float(n / counts.sum()) for lag, n in zip(lags.tolist(), counts)},
             "rollout/log_prob_diff": float(algo.masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
                                                             mask)) if "rollout_log_probs" in batch else None,
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),

@@ -71,8 +71,13 @@ def from_job(job_id: str, members: list[list[str]]) -> dict:
             "mem_mb": parse_mem_mb(r.get("MinMemoryNode") or "0"),
             "nodes": [{"name": n, "addr": addrs.get(n, n)} for n in names],
         })
-    return {"job_id": job_id, "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+    return {"job_id": job_id, "restart_count": restart_count(),
             "components": comps, "members": {x: c["index"] for c in comps for x in c["members"]}}
+
+
+def restart_count() -> int:
+    """The restart this start of the job is (0: its first start; Slurm leaves the variable unset or empty then)."""
+    return int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def read_allocation(run_dir: str | Path) -> dict:

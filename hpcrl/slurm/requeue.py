@@ -29,6 +29,7 @@ import time
 
 from hpcrl.env_vars import EXIT_REQUEUE, JobEnv
 from hpcrl.run_dir import RunDir
+from hpcrl.slurm.allocation import restart_count
 from hpcrl.slurm.cluster_info import SlurmCommandError, parse_records, slurm_cmd
 
 
@@ -45,11 +46,6 @@ def job_end_time(job_id: str) -> float | None:
 def deadline() -> str:
     end = job_end_time(os.environ["SLURM_JOB_ID"])
     return "" if end is None else f"{end - JobEnv.read().signal_lead:.0f}"
-
-
-def restart_count() -> int:
-    """The restart this start of the job is (0: its first start)."""
-    return int(os.environ.get("SLURM_RESTART_COUNT", "0"))
 
 
 def requeued_components(job: str, count: int) -> tuple[list[int], list[int], str]:
