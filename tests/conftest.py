@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
     one worker, first, one after another, while the other workers start on the tests that need no
     cluster (a test of the cluster waits for its turn, _cluster_turn); the tests of a module whose
     own module- or session-scoped fixture makes a run go to one worker, so that it runs once. The
-    order is the same in every worker, as xdist requires."""
+    order is the same in every worker, as xdist requires. Without xdist the order is the files'."""
     def shares_a_run(item) -> bool:
         return any(d.scope != "function" and d.func.__module__ == item.module.__name__
                    for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
@@ -97,8 +97,8 @@ def pytest_collection_modifyitems(config, items):
     rank = lambda i: (0 if scope[i.nodeid] == EXCLUSIVE and "pipelined_once" in i.fixturenames else   # noqa: E731
                       1 if scope[i.nodeid] == EXCLUSIVE else 3 if (scope[i.nodeid] or i.nodeid) in of_cluster else 2,
                       scope[i.nodeid] is None)     # a module's shared run (the longest units) before single tests
-    items.sort(key=rank)
     if getattr(config.option, "loadgroup", False):      # an xdist worker under --dist loadgroup
+        items.sort(key=rank)
         for item in items:
             if scope[item.nodeid]:
                 group(item, scope[item.nodeid])

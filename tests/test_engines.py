@@ -271,8 +271,8 @@ def test_layouts_that_do_not_divide_are_refused():
 
 def test_torch_compile_caches_go_to_the_users_cache_or_the_specs_unless_the_site_set_its_own(tmp_path, monkeypatch):
     """A requeued job and the user's next run find the kernels compiled before: Inductor's cache, as
-    torch itself resolves it, is under $XDG_CACHE_HOME/hpcrl by default, or where the spec says; a
-    TORCHINDUCTOR_CACHE_DIR already set is kept."""
+    torch itself resolves it, is under $XDG_CACHE_HOME/hpcrl by default, or where the spec says, or the
+    run's cache folder where the user's cannot be written; a TORCHINDUCTOR_CACHE_DIR already set is kept."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     from hpcrl.engines.compile_cache import use_compile_cache
@@ -290,3 +290,11 @@ def test_torch_compile_caches_go_to_the_users_cache_or_the_specs_unless_the_site
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "site"))
     use_compile_cache(tmp_path / "other")
     assert cache_dir() == str(tmp_path / "site")
+    # a home that cannot be written (a container's read-only one; here a file where a folder must be):
+    # the run's cache folder
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-folder"))
+    use_compile_cache("", tmp_path / "run" / "cache")
+    assert cache_dir() == str(tmp_path / "run" / "cache" / "inductor")

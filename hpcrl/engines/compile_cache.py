@@ -2,7 +2,8 @@
 of the user's (train.engine.compile_cache, $XDG_CACHE_HOME/hpcrl/torch-compile by default) instead of
 the node's /tmp, so that a requeued job, on whichever node Slurm gives it, and the user's next run
 load the kernels the runs before them compiled (both caches write their entries atomically: runs at
-the same time share them safely)."""
+the same time share them safely). Where that cache cannot be written (a container's read-only home),
+the run's own cache folder serves."""
 from __future__ import annotations
 
 import os
@@ -11,9 +12,21 @@ from pathlib import Path
 from hpcrl.files import cache_dir
 
 
-def use_compile_cache(path: str | Path = "") -> None:
-    """Before the process's first compile: the caches under `path`, or the user's hpcrl cache.
-    TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR already in the environment (a site's own) are kept."""
-    root = Path(path) if path else cache_dir() / "torch-compile"
+def use_compile_cache(path: str | Path = "", fallback: str | Path = "") -> None:
+    """Before the process's first compile, and before torch._dynamo is imported (it makes its cache
+    folder on import): the caches under `path`, else the user's hpcrl cache where it can be written,
+    else under `fallback` (the run's cache folder). TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR already
+    in the environment (a site's own) are kept."""
+    root = Path(path) if path else _writable(cache_dir() / "torch-compile") or (Path(fallback) if fallback else None)
+    if root is None:
+        return       # torch's own: the node's /tmp
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+
+
+def _writable(folder: Path) -> Path | None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return folder if os.access(folder, os.W_OK) else None

@@ -255,8 +255,9 @@ class EngineSettings(Settings):
     rollout (Inductor's graphs, Triton's kernels); empty: $XDG_CACHE_HOME/hpcrl/torch-compile
     (~/.cache/hpcrl/...), yours alone and shared by your runs: a requeued job, and your next run of
     the same model and shapes, on any node that mounts your home, load the kernels compiled before
-    (Dynamo still traces each graph again in each new process). A TORCHINDUCTOR_CACHE_DIR or
-    TRITON_CACHE_DIR set in the environment is kept"""
+    (Dynamo still traces each graph again in each new process); where it cannot be written (a
+    container's read-only home), rollout.cache_dir. A TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR set
+    in the environment is kept"""
     activation_checkpointing: bool = False
     """keep only each decoder layer's input from the forward and compute the rest of its activations
     again in the backward (per layer: torch's non-reentrant checkpoint, megatron's full recompute):

@@ -42,7 +42,7 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
 
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
         if device.type == "cuda" and config.model_type in SUPPORTED:
-            use_compile_cache(cfg.engine.compile_cache)
+            use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir)
             engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile,
                                         reload=trainer.full_weights if trainer is not None and cfg.rollout.release_memory
                                         else None)
