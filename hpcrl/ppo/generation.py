@@ -45,6 +45,17 @@ class Generation:
         return batch
 
 
+def next_prompts(dataset, n_samples: int, block: int) -> Batch:
+    """The dataset's next prompts, each repeated n_samples times with its group number, numbered
+    from block × (prompts per batch) so that batches drawn for one step have distinct groups."""
+    prompts = dataset.next_batch()
+    if n_samples > 1:
+        groups = len(prompts)
+        prompts = prompts.repeat(n_samples)
+        prompts["group"] = np.repeat(np.arange(groups) + block * groups, n_samples)
+    return prompts
+
+
 class Lookahead:
     """The batches of the steps after the one in training, `lead` of them, generated from `dataset`
     by `generate` (prompts -> a future of the batch, or the batch: multi-turn episodes are made on
@@ -72,14 +83,9 @@ class Lookahead:
         """The steps whose batches are being generated ahead."""
         return [g.step for g in self.ahead]
 
-    def collect(self) -> list[Batch]:
-        """The batches generated ahead, waited for (a checkpoint keeps them: a resumed run could not
-        make them again)."""
-        return [g.collect() for g in self.ahead]
-
     def held(self) -> Callable[[], list[Batch]]:
-        """collect() of the batches generated ahead now, to call later (a stop that commits this step
-        boundary after the next step began)."""
+        """The batches generated ahead now, to collect later (a checkpoint keeps them: a resumed run
+        could not make them again; a stop that commits this step boundary after the next step began)."""
         ahead = list(self.ahead)
         return lambda: [g.collect() for g in ahead]
 
@@ -89,11 +95,7 @@ class Lookahead:
         return self._generate(step, draw)
 
     def _generate(self, step: int, draw: int = 0) -> Generation:
-        prompts = self.dataset.next_batch()
-        if self.n_samples > 1:
-            groups = len(prompts)
-            prompts = prompts.repeat(self.n_samples)
-            prompts["group"] = np.repeat(np.arange(groups) + draw * groups, self.n_samples)
+        prompts = next_prompts(self.dataset, self.n_samples, draw)
         prompts.meta.update(step=step, **({"draw": draw} if draw else {}))
         generated = self.generate(prompts)
         return Generation(step, generated, [m.future(generated) for m in self.early])
@@ -181,11 +183,8 @@ class Producer:
 
     def _draw(self) -> None:
         self.drawn += 1
-        prompts = self.dataset.next_batch()
-        if self.n_samples > 1:      # group numbers unique across batches: a refill joins its step's batch
-            groups = len(prompts)
-            prompts = prompts.repeat(self.n_samples)
-            prompts["group"] = np.repeat(np.arange(groups) + self.drawn * groups, self.n_samples)
+        # group numbers unique across batches: a refill joins its step's batch
+        prompts = next_prompts(self.dataset, self.n_samples, self.drawn)
         prompts.meta.update(step=self.drawn)
         g = Generation(self.drawn, None, [])
         self.ahead.append(g)
