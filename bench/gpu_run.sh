@@ -10,7 +10,8 @@
 # /tmp/bg as $OUT/bg.tgz. They are:
 #   real: SmolLM2 learning 2-term chain sums (bench/real_model.py; RUNS, default grpo,trl,ppo);
 #   lora: bench/lora.py (LoRA beside full fine-tuning);
-#   tools: bench/tools.py (3-term chain sums, GRPO with the calculator after its supervised warm-up, and without);
+#   tools: bench/tools.py (3-term chain sums, GRPO with the calculator after its supervised warm-up, and without;
+#     RUNS=tools,agent: the calculator as the built-in environment and as an agent of your own through the endpoint);
 #     each of these three: PARALLEL=1 a process per run, side by side on the GPU; MINUTES of training, WALL minutes
 #     of wall time per run;
 #   rollout: bench/gpu_rollout.py (vLLM, the static-cache engine and HF generate side by side);
@@ -130,7 +131,7 @@ for stage in "$@"; do
     packing) timeout 420 python3 bench/packing.py 2>&1 | tee "$OUT/packing.log" | tail -12
              cp bench/packing.json "$OUT/" ;;
     lora) learn lora lora.py data full,lora 10 ;;           # GRPO with LoRA beside full fine-tuning
-    tools) learn tools tools.py data3 plain,tools 15 ;;     # warm-up, then GRPO with the calculator; GRPO without
+    tools) learn tools tools.py data3 "${RUNS:-plain,tools}" 15 ;;     # warm-up, then GRPO with the calculator; GRPO without; RUNS=tools,agent: as your own agent
     real) learn real real_model.py data "${RUNS:-grpo,trl,ppo}" 10 ;;
     collect) end=$((SECONDS + ${WAIT:-540}))
              while [ -n "$(running)" ] && [ $SECONDS -lt $end ]; do

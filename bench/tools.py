@@ -1,12 +1,13 @@
 """Learning with a tool: SmolLM2-135M-Instruct on 3-term chain sums ("17 + 84 - 9 =", 3.7% greedy in its
 head) with GRPO, once without an environment (plain) and once calling a calculator over up to 4 turns
-(tools, hpcrl.environments:ToolEnvironment), held-out greedy accuracy against seconds of training,
-one run after the other on the same GPU. bench/real_model.py's runs (its settings, held-out set,
+(tools, hpcrl.environments:ToolEnvironment), and the same calculator as an agent of your own written
+against the openai package (agent, jobs/chain_sum_agent.py through the endpoint: issue 59), held-out greedy
+accuracy against seconds of training, one run after the other on the same GPU. bench/real_model.py's runs (its settings, held-out set,
 clock and table); prints the table and writes bench/tools.json.
 
     hpcrl data smollm2 MODEL_DIR
     hpcrl data reasoning-gym chain_sum DATA_DIR --train 4000 --test 300 --set min_terms=3 max_terms=3 min_digits=1 max_digits=2
-    python bench/tools.py --model MODEL_DIR --data DATA_DIR [--minutes 15] [--runs plain,tools] [--max-turns 4]
+    python bench/tools.py --model MODEL_DIR --data DATA_DIR [--minutes 15] [--runs plain,tools,agent] [--max-turns 4]
     python bench/tools.py --model MODEL_DIR --data DATA_DIR --warmup-only --cpu --warmup-steps 40 --warmup-batch 8
                                                            # the warm-up alone and its check, on CPU
 
@@ -234,20 +235,24 @@ def main() -> int:
                    "max_turns": args.max_turns, "max_tokens": args.max_tokens or args.max_turns * args.new_tokens}
     # the calculator's description, a system message, makes the prompt ~240 tokens (the plain run's 64)
     tools = {**real_model.GRPO, "environment": environment, "max_prompt_length": 320}
+    # the same task, calculator and turns as an agent of your own (issue 59): jobs/chain_sum_agent.py,
+    # written against the openai package, through the generating role's endpoint
+    agent = {**tools, "environment": {"agent": "hpcrl.jobs.chain_sum_agent:solve", "agent_time_limit": 300,
+                                      "max_tokens": environment["max_tokens"]}}
     warmup = {}
-    if args.warmup_steps > 0 and (args.warmup_only or "tools" in args.runs.split(",")):
+    if args.warmup_steps > 0 and (args.warmup_only or {"tools", "agent"} & set(args.runs.split(","))):
         args.work.mkdir(parents=True, exist_ok=True)
         warmup["before"] = check(args.model, args) if args.warmup_check else None
         warmup.update(warm_up(args, args.work / "warmup-model"))
         warmup["after"] = check(Path(warmup["model"]), args) if args.warmup_check else None
         print(f"warm-up: {json.dumps(warmup)}", flush=True)
         free_gpu_memory()     # the runs' drivers take the GPU next
-        tools["model"] = warmup["model"]
+        tools["model"] = agent["model"] = warmup["model"]
     if args.warmup_only:
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "warmup": warmup},
                                         indent=1))
         return 0
-    real_model.learn(args, {"plain": real_model.GRPO, "tools": tools}, extra={"warmup": warmup})
+    real_model.learn(args, {"plain": real_model.GRPO, "tools": tools, "agent": agent}, extra={"warmup": warmup})
     return 0
 
 

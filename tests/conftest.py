@@ -60,6 +60,9 @@ def slurm_cluster():
         os.environ["SLURM_CONF"] = conf
         yield conf
         if not was_up:
+            # the last test's turn is still held while session fixtures end: let it go, or a session
+            # sharing the cluster, waiting for a turn while it holds `users`, would wait for this one for good
+            CLUSTER_TURNS.release_all()
             fcntl.flock(users, fcntl.LOCK_EX)     # the other sessions are done with it
             _cluster("down")
 
@@ -143,6 +146,12 @@ class ClusterTurns:
             for f in self.files.values():
                 fcntl.flock(f, fcntl.LOCK_UN)
             self.mode = None
+
+    def release_all(self) -> None:
+        if self.count:
+            self.count = 1
+            self.release()
+        self.test_holds = False
 
     @contextlib.contextmanager
     def shared(self):
@@ -370,6 +379,19 @@ def run_local(run: Path, cfg: TrainConfig) -> list[dict]:
     proc = start_local_training(run, cfg)
     assert proc.wait(timeout=900) == 0
     return read_metrics(run / "metrics.jsonl")
+
+
+UNINTERRUPTED = TrainConfig(total_steps=16, save_every=0, restart_limit=50, progress=False)
+"""The training that stopped, killed and hung runs must end bitwise as: checkpoints only at a stop and at
+the end, rebuilt roles allowed often."""
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The run directory and metrics of one uninterrupted local run of UNINTERRUPTED: the reference
+    that tests/test_requeue.py and tests/test_restart.py compare against (one run, not one each)."""
+    run = tmp_path_factory.mktemp("uninterrupted")
+    return run, run_local(run, UNINTERRUPTED)
 
 
 NOISE = {"rollout/log_prob_diff"}

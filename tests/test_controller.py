@@ -246,19 +246,56 @@ class Warmed(Toy):
         return float(os.environ.get("WARMED_AT", "inf")) < self.built_at
 
 
-def test_standby_process_takes_over_a_dead_rank_with_its_imports_done(ray_local):
-    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Warmed, standby=True)
+class Compiles(Warmed):
+    """Calls the compiled decoder layers of a tiny Llama, as a training engine does (Dynamo with its
+    eager backend: what is checked is Dynamo's cache of compiled code, which a rehearsal fills, not
+    Inductor's kernels). Its layer class is importable, as a real role's is: a class sent by value
+    gets new code objects with every copy, which Dynamo's cache would not recognise."""
+    def __init__(self):
+        super().__init__()
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from hpcrl.controller.layer_rehearsal import compile_layers
+
+        torch.manual_seed(0)
+        self.model = AutoModelForCausalLM.from_config(LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+            vocab_size=50))
+        compile_layers(list(self.model.model.layers), backend="eager")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def new_graphs(self):
+        """The graphs Dynamo made for training calls and inference calls, each at two lengths."""
+        from torch._dynamo.utils import counters
+
+        before = counters["stats"]["unique_graphs"]
+        for length in (5, 9):
+            ids = torch.randint(0, 50, (2, length))
+            self.model.train()
+            self.model(input_ids=ids, use_cache=False).logits.sum().backward()
+            self.model.eval()
+            with torch.no_grad():
+                self.model(input_ids=ids, use_cache=False)
+        return counters["stats"]["unique_graphs"] - before
+
+
+def test_standby_process_takes_over_a_dead_rank_with_its_imports_done_and_layers_compiled(ray_local):
+    a = WorkerGroup(ResourcePool.for_role("a", processes_per_node=2), Compiles, standby=True)
     try:
         assert a._hosts.standby == []                          # none while the run starts
         a.start_standby()
         standby_pids = [int(p) for p in __import__("ray").get([h.pid.remote() for h in a._hosts.standby])]
         assert a.warmed_before_built() == [False, False]      # the ranks' own processes did not wait for it
+        assert min(a.new_graphs()) >= 2                         # a new process compiles its layers' calls
         ready = lambda: a.describe()["standby"]               # noqa: E731  (as status.json shows it)
         wait_until(lambda: ready() == {"processes": 2, "ready": 2}, 60, "both standby processes warm")
+        a.start_standby()                                       # a step later: they rehearse their ranks' calls
+        wait_until(lambda: ready() == {"processes": 2, "ready": 2}, 60, "both standby processes rehearsed")
         kill_dead(a.pids()[0])
         assert a.allreduce(1) == [3.0, 3.0]
         assert a.pids() == standby_pids
         assert a.warmed_before_built() == [True, True]        # a rebuild takes every rank's standby
+        assert a.new_graphs() == [0, 0]                         # ... which had compiled the calls already
         wait_until(lambda: ready() == {"processes": 2, "ready": 2}, 60, "new standby processes")   # for the next
         run = {"state": "running", "step": 3, "total_steps": 9, "updated": time.time(), "roles": {"a": a.describe()}}
         assert "standby 2/2 warm" in format_status({"job": None, "ray": None, "run": run, "checkpoint": None})

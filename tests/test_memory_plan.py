@@ -92,7 +92,7 @@ def test_full_fine_tuning_holds_sixteen_bytes_a_parameter_by_hand(tmp_path):
     plan = memory_plan(load_spec(written(tmp_path, spec(tmp_path, {**PPO, "model": {"path": str(model_folder(
         tmp_path, "qwen2.5-1.5b"))}}))))
     (gpu,) = plan.gpus
-    (process,) = gpu.processes
+    process, standby = gpu.processes
     actor, critic, ref = ({p.name: p.bytes for p in process.parts if p.role == r} for r in ("actor_rollout", "critic", "ref"))
     assert actor["weights"] == 4 * 1_543_714_304 and actor["gradients"] == 4 * 1_543_714_304
     assert actor["optimizer"] == 8 * 1_543_714_304
@@ -106,7 +106,12 @@ def test_full_fine_tuning_holds_sixteen_bytes_a_parameter_by_hand(tmp_path):
     assert process.phase_bytes("update") == pytest.approx(resident + max(update.values()))
     assert process.peak == pytest.approx(max(process.phase_bytes(ph) for ph in ("generate", "score", "update", "sync"))
                                          * CONSTANTS.allocator + CONSTANTS.context)
-    assert gpu.peak == process.peak
+    # its standby process (layout.standby auto, on a GPU): a context and one layer rehearsed, weights and
+    # gradients fp32: q, k, v with biases, o, the MLP's three, two norms
+    layer = 1536 * 1536 + 1536 + 2 * (1536 * 256 + 256) + 1536 * 1536 + 3 * 1536 * 8960 + 2 * 1536
+    assert standby.parts[0].bytes == 8 * layer
+    assert standby.peak == pytest.approx(8 * layer * CONSTANTS.allocator + CONSTANTS.context)
+    assert gpu.peak == pytest.approx(process.peak + standby.peak)
 
 
 def test_lora_and_offload_keep_what_they_say_on_the_gpu(tmp_path):
@@ -115,7 +120,7 @@ def test_lora_and_offload_keep_what_they_say_on_the_gpu(tmp_path):
             "lora": {"rank": 16}}
     roles = {"actor_rollout": {"partition": "h100", "gpus_per_node": 1, "gpu_type": "h100"}, "reward": {"partition": "cpu"}}
     plan = memory_plan(load_spec(written(tmp_path, spec(tmp_path, grpo, roles))))
-    (actor,) = plan.gpus[0].processes        # no ref process: the reference is the LoRA base in the actor
+    actor, standby = plan.gpus[0].processes   # no ref process: the reference is the LoRA base in the actor
     adapters = ModelSize.of(NAMED_SHAPES["qwen2.5-7b"]).lora_params(16, "all-linear")
     parts = {p.name: p.bytes for p in actor.parts}
     assert parts["weights"] == 4 * adapters + 2 * (7_615_616_512 - adapters)
@@ -182,7 +187,7 @@ def test_plan_gives_every_part_by_phase_and_json(tmp_path, capsys):
     assert main(["plan", path, "--shape", "qwen2.5-1.5b", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     (gpu,) = got["gpus"]
-    assert [p["roles"] for p in gpu["processes"]] == [["actor_rollout", "critic", "ref"]]
+    assert [p["roles"] for p in gpu["processes"]] == [["actor_rollout", "critic", "ref"], ["actor_rollout+critic+ref standby"]]
     assert main(["plan", path, "--shape", "qwen2.5-7b"]) == 2      # does not fit: the fixes go to stderr
     assert "Would fit" in capsys.readouterr().err
 
@@ -199,7 +204,7 @@ def test_roles_sharing_gpus_must_share_processes(tmp_path, capsys):
              "ref": {"partition": "a100", "gpus_per_node": 1, "gpu_type": "a100", "gpu_mem": "80G"},
              "reward": {"same_nodes_as": "ref"}}
     plan = memory_plan(load_spec(written(tmp_path, spec(tmp_path, PPO, roles=apart, name="apart"))), shape="qwen2.5-0.5b")
-    assert [[p.roles for p in g.processes] for g in plan.gpus] == [[("actor_rollout",)], [("critic",)], [("ref",)]]
+    assert [[p.roles for p in g.processes] for g in plan.gpus] == [[(r,), (f"{r} standby",)] for r in ("actor_rollout", "critic", "ref")]
     assert plan.gpus[2].gpus.memory == 80 * 2**30
 
 

@@ -10,9 +10,9 @@ import h5py
 import numpy as np
 import pytest
 import yaml
-from conftest import (CLUSTER_TURNS, PIPELINED_STEPS, ROOT, comparable, in_container, in_image, job_finished, job_records, kill_dead,
-                      plot_pixels_seen_by_chromium, preempt_and_finish, sh, short_spec, slurm_log, start_local_training,
-                      submit, wait_until)
+from conftest import (CLUSTER_TURNS, PIPELINED_STEPS, ROOT, UNINTERRUPTED, comparable, in_container, in_image,
+                      job_finished, job_records, kill_dead, plot_pixels_seen_by_chromium, preempt_and_finish, sh,
+                      short_spec, slurm_log, start_local_training, submit, wait_until)
 
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import TrainConfig
@@ -40,20 +40,19 @@ def assert_same_training(a, b, steps, roles=("actor_rollout", "critic"), metrics
         assert comparable(read_metrics(a / "metrics.jsonl")) == comparable(read_metrics(b / "metrics.jsonl"))
 
 
-def test_local_stop_and_resume_is_bitwise_lossless(tmp_path):
-    cfg = TrainConfig(total_steps=12, progress=False)
-    once = start_local_training(tmp_path / "once", cfg)      # the reference, at the same time
+def test_local_stop_and_resume_is_bitwise_lossless(uninterrupted, tmp_path):
+    once, _ = uninterrupted          # the reference (conftest), shared with tests/test_restart.py
+    cfg, steps = UNINTERRUPTED, UNINTERRUPTED.total_steps      # no periodic checkpoint: the stop commits its own
     proc = start_local_training(tmp_path / "twice", cfg)
-    stop_after = random.Random().randint(2, 9)
+    stop_after = random.Random().randint(2, steps - 4)
     wait_until(lambda: len(read_metrics(tmp_path / "twice" / "metrics.jsonl")) >= stop_after, 300, "steps")
     proc.send_signal(signal.SIGUSR1)
-    assert proc.wait(timeout=300) == 3           # stopped at a committed checkpoint, asks to run again
+    assert proc.wait(timeout=300) == 3, stop_after    # stopped at a committed checkpoint, asks to run again
     ckpt = tmp_path / "twice" / "ckpt"
     stopped = json.loads((ckpt / (ckpt / "LATEST").read_text().strip() / "MANIFEST.json").read_text())["step"]
-    assert stop_after <= stopped < 12
+    assert stop_after <= stopped < steps, (stop_after, stopped)
     assert start_local_training(tmp_path / "twice", cfg).wait(timeout=600) == 0
-    assert once.wait(timeout=600) == 0
-    assert_same_training(tmp_path / "once", tmp_path / "twice", 12)
+    assert_same_training(once, tmp_path / "twice", steps)
 
 
 @pytest.mark.parametrize("rc,requeue,restarts,cancelled,status,slurm,said", [

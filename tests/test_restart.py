@@ -13,23 +13,15 @@ import time
 
 import h5py
 import numpy as np
-import pytest
-from conftest import ROOT, comparable, kill_dead, run_local, start_local_training, wait_until
+from conftest import ROOT, UNINTERRUPTED, comparable, kill_dead, start_local_training, wait_until
 
 from hpcrl.checkpoint.store import CheckpointStore
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.overview import format_status, gather_status
 from hpcrl.ppo.config import TrainConfig
 
-STEPS = 16
-CFG = TrainConfig(total_steps=STEPS, save_every=0, restart_limit=50, progress=False)
-
-
-@pytest.fixture(scope="module")
-def whole(tmp_path_factory):
-    """An uninterrupted run: the reference every interrupted one must end bitwise equal to."""
-    run = tmp_path_factory.mktemp("whole")
-    return run, run_local(run, CFG)
+CFG = UNINTERRUPTED      # every interrupted run here must end bitwise as the `uninterrupted` one (conftest)
+STEPS = CFG.total_steps
 
 
 def role_tensors(path) -> dict[str, np.ndarray]:
@@ -40,10 +32,10 @@ def role_tensors(path) -> dict[str, np.ndarray]:
     return out
 
 
-def test_roles_killed_at_random_moments_end_bitwise_as_an_uninterrupted_run(whole, tmp_path):
+def test_roles_killed_at_random_moments_end_bitwise_as_an_uninterrupted_run(uninterrupted, tmp_path):
     seed = random.randrange(2**32)
     rng = random.Random(seed)
-    whole_run, whole = whole
+    whole_run, whole = uninterrupted
     cfg = CFG
 
     run = tmp_path / "killed"
@@ -83,8 +75,8 @@ def hang_config(fn: str, **deadlines) -> TrainConfig:
     return CFG.updated(reward={"fn": f"hung_reward:{fn}"}, deadlines=deadlines)
 
 
-def test_a_reward_call_that_hangs_once_is_rebuilt_and_the_run_ends_as_an_uninterrupted_one(whole, tmp_path,
-                                                                                             monkeypatch):
+def test_a_reward_call_that_hangs_once_is_rebuilt_and_the_run_ends_as_an_uninterrupted_one(uninterrupted, tmp_path,
+                                                                                                   monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests"))      # the driver's and the workers' (Ray passes it on)
     monkeypatch.setenv("HANG_FLAG", str(tmp_path / "hung"))
     run = tmp_path / "hangs"
@@ -93,7 +85,7 @@ def test_a_reward_call_that_hangs_once_is_rebuilt_and_the_run_ends_as_an_uninter
     assert start_local_training(run, cfg).wait(timeout=900) == 0
     assert (tmp_path / "hung").exists()
     assert json.loads((run / "status.json").read_text())["last_snapshot"]["step"] > 1
-    assert comparable(read_metrics(run / "metrics.jsonl")) == comparable(whole[1])
+    assert comparable(read_metrics(run / "metrics.jsonl")) == comparable(uninterrupted[1])
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     hangs = [e for e in events if e["event"] == "hang" and e["call"] == "reward.compute_scores"]
     assert hangs and hangs[0]["ranks"] == [0] and hangs[0]["deadline"] >= 5, events

@@ -144,3 +144,46 @@ def test_tiny_job_learns_with_the_vllm_engine(tmp_path):
     assert first <= 0.15, first
     assert last >= 0.9, (first, last)
     print(f"vllm rollout: reward {first:.3f} -> {last:.3f} in {len(records)} steps", file=sys.stderr)
+
+
+async def two_turns(row, client):
+    """An agent of two requests, the second continuing the first with text of its own."""
+    first = await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=4)
+    text = row["prompt"] + first.choices[0].text + "21"
+    await client.completions.create(model="policy", prompt=text, max_tokens=4)
+    return 1.0
+
+
+def test_an_agent_through_the_vllm_rollouts_endpoint_is_trained_on_the_engines_tokens(groups):
+    """The rollout role's vLLM engine serves the agents (`two_turns`, the env role in this process)
+    through its OpenAI-compatible endpoint, greedy: every turn of every trajectory is what a torch
+    engine with the same weights gives for the context before it, and only those tokens are masked in."""
+    from hpcrl.engines.base import SamplingParams
+    from hpcrl.ppo.agent_episodes import AgentEpisodes
+    from hpcrl.ppo.roles import Agents
+
+    actor, rollout, prompts, run = groups
+    weights = actor.export_weights()
+    rollout.load_weights(weights, 1)
+    cfg = CFG.updated(environment={"agent": "test_vllm:two_turns", "max_tokens": 12})
+    agents = local_worker(Agents, "test_vllm:two_turns", 60.0)
+    episodes = Batch(prompts.tensors, prompts.arrays, {"step": 1, "validation": True})     # greedy
+    out = AgentEpisodes(cfg, rollout, agents, CharTokenizer.load(run / "model"), b"k" * 32).generate(episodes)
+    assert not out["env/failed"].any() and out["env/turns"].max() == 2
+    torch_engine = local_worker(Rollout, str(run / "model"), CFG.updated(rollout={"engine": "torch"}))
+    torch_engine.rollout.load_weights(dict(weights))
+    greedy = SamplingParams(CFG.rollout.max_new_tokens, 0.0)
+    turns = 0
+    for i in range(len(out)):
+        context = out["prompt_ids"][i][out["prompt_mask"][i].bool()].tolist()
+        response, mask = out["responses"][i].tolist(), out["response_mask"][i].tolist()
+        k = 0
+        while k < len(response) and any(mask[k:]):
+            start = mask.index(1, k)
+            end = mask.index(0, start) if 0 in mask[start:] else len(mask)
+            ids = torch.tensor([context + response[:start]])
+            ref = torch_engine.rollout.generate(ids, torch.ones_like(ids), greedy, 0)
+            n = int(ref["response_mask"][0].sum())
+            assert response[start:end] == ref["responses"][0, :n].tolist()[:end - start], (i, start)
+            turns, k = turns + 1, end
+    assert turns == 2 * len(out)     # both turns of every episode

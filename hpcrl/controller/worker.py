@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hpcrl.controller import startup
+from hpcrl.controller import layer_rehearsal, startup
 from hpcrl.run_dir import rank_calls, rank_log
 
 STACKS_SIGNAL = signal.SIGRTMIN + 5
@@ -252,6 +252,28 @@ class WorkerHost:
         for cls, _, _ in workers.values():
             cls.warm_up()
         startup.mark("imports")
+
+    def layer_calls(self) -> list:
+        """How this rank calls its compiled layers (layer_rehearsal), for its standby to rehearse."""
+        return layer_rehearsal.export_all()
+
+    def rehearse(self, gpu_ids: list | None, device: str, rehearsals: list) -> dict:
+        """A standby process: the compiled layers of the rank it stands by for, called as that rank
+        calls them, on its GPUs (taken now, as setup would when taking it over), so that taking the
+        rank over compiles nothing. A rehearsal that fails (the GPU's memory full) leaves a standby
+        that still takes a rank over, compiling as a new process does."""
+        if not rehearsals:
+            return {"calls": 0, "seconds": 0.0}
+        if gpu_ids is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_ids))
+        try:
+            done = layer_rehearsal.rehearse(rehearsals, torch.device(device))
+        except Exception as e:
+            print(f"standby for {self.roles}: the rehearsal of their compiled layers failed ({e!r}); a rank taken "
+                  "over compiles them again", flush=True)
+            return {"error": repr(e)}
+        startup.mark("rehearsed")
+        return done
 
     def startup(self) -> dict:
         """How this process started: when (Unix time), and each role's phases (hpcrl.controller.startup)

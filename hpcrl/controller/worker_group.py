@@ -114,6 +114,7 @@ class _HostSet:
         self.standby: list = []
         self.standby_warm: list = []     # each standby's warm-up, as a future
         self.standby_started = False     # start_standby: after the run's start, not competing with it
+        self.standby_rehearsed = False   # whether the standby processes were given their ranks' layer calls
         self.last_restore: dict = {}     # _restore's parts, seconds
         self.retired: set[str] = set()   # actor ids replaced by a rebuild: errors from them are old news
         self.unplaceable: set[str] = set()   # nodes that joined but could not take the group's processes
@@ -218,11 +219,21 @@ class _HostSet:
             raise RoleHung(str(e), self.name, kind, ranks) from None
 
     def start_standby(self) -> None:
-        """The standby processes, once the run has started (their imports would slow its start down:
-        on a GPU node through Slurm, beside the roles' own imports and compiles)."""
-        if self.keep_standby and not self.standby_started:
+        """Called after each step. The standby processes, once the run has started (their imports would
+        slow its start down: on a GPU node through Slurm, beside the roles' own imports and compiles);
+        a step later, once the ranks have called their compiled layers, each standby rehearses its
+        rank's calls (WorkerHost.rehearse)."""
+        if not self.keep_standby:
+            return
+        if not self.standby_started:
             self.standby_started = True
             self._replace_standby()
+        elif self.standby and not self.standby_rehearsed:
+            self.standby_rehearsed = True
+            # queued behind each one's warm-up; the rank answers between its calls
+            self.standby_warm = [host.rehearse.remote(self.gpu_ids[r], self.devices[r],
+                                                      self.actors[r].layer_calls.remote()).future()
+                                 for r, host in enumerate(self.standby)]
 
     def _replace_standby(self) -> None:
         if not self.standby_started:
@@ -230,6 +241,7 @@ class _HostSet:
         for a in self.standby:
             ray.kill(a, no_restart=True)
         self.standby = [self._host(r, standby=True) for r in range(len(self.actors))] if self.keep_standby else []
+        self.standby_rehearsed = False
         # meanwhile, idle: nothing waits for it; whether each is warm is read from its future, no Ray call
         self.standby_warm = [host.warm.remote(self.workers).future() for host in self.standby]
 

@@ -177,9 +177,9 @@ def train_problems(spec: JobSpec) -> list[str]:
     places, own = placements(spec), own_roles(spec)
     runs = cfg.roles()
     problems = [f"train.{p}" for p in cfg.problems()]
-    problems += [f"roles.{r}: missing; train needs it (advantage={cfg.algorithm.advantage}, "
-                 f"kl_coef={cfg.algorithm.kl_coef}) — give it resources or same_nodes_as: <role>"
-                 for r in runs if r not in places]
+    problems += [f"roles.{r}: missing; train needs it (" + ("judge.enabled" if r == "judge" else
+                 f"advantage={cfg.algorithm.advantage}, kl_coef={cfg.algorithm.kl_coef}") +
+                 ") — give it resources or same_nodes_as: <role>" for r in runs if r not in places]
     problems += [f"train.reward.scorers[{i}].role: {s.role} is not " + (
                  f"a role that scores (the reward role, or one of your own with roles.{s.role}.worker)"
                  if s.role in places else f"a role of this spec (roles: {', '.join(places)})")
@@ -226,7 +226,7 @@ def train_problems(spec: JobSpec) -> list[str]:
 def gpu_roles(cfg: TrainConfig) -> list[str]:
     """The built-in roles this training runs whose processes each hold a GPU on a GPU node (a rule
     reward and the environments run beside them on the CPU; your own roles are not known here)."""
-    return [r for r in cfg.roles() if r in ("actor_rollout", "rollout", "critic", "ref") or
+    return [r for r in cfg.roles() if r in ("actor_rollout", "rollout", "critic", "ref", "judge") or
             (r == "reward" and cfg.reward.model_dir)]
 
 
@@ -291,7 +291,7 @@ def code_problems(spec: JobSpec) -> list[str]:
     if reward_fn:      # the reward role imports it as this process does
         shape = ("def score(prompts, responses, **fields) -> a score per sample" if cfg.reward.batched else
                  "def score(prompt, response, **fields) -> float")
-        problems += function_problems("train.reward.fn", reward_fn, shape)
+        problems += function_problems("train.reward.fn", reward_fn, shape) or judge_fn_problems(cfg)
     if spec.driver:
         problems += function_problems("driver", spec.driver, "def main(ctx: hpcrl.RunContext)")
         if not spec.train:
@@ -308,6 +308,23 @@ def function_problems(where: str, path: str, shape: str) -> list[str]:
     except ValueError as e:
         return [f"{where}: {e}"]
     return [] if callable(fn) else [f"{where}: {path!r} is not a function ({shape})"]
+
+
+def judge_fn_problems(cfg: TrainConfig) -> list[str]:
+    """train.reward.fn (a function that imports) and train.judge agree: an async fn awaits the judge
+    and a judge is awaited by an async fn."""
+    import inspect
+
+    from hpcrl.importing import import_object
+
+    awaits = inspect.iscoroutinefunction(import_object(cfg.reward.fn))
+    if cfg.judge.enabled and not awaits:
+        return [f"train.reward.fn: {cfg.reward.fn} is not an async function, but train.judge.enabled gives it a judge "
+                "to await; write `async def score(prompt, response, judge, **fields)`"]
+    if awaits and not cfg.judge.enabled:
+        return [f"train.reward.fn: {cfg.reward.fn} is an async function, which the reward role awaits only with a judge; "
+                "set train.judge.enabled: true (and place roles.judge), or make it a plain def"]
+    return []
 
 
 def environment_problems(spec: JobSpec) -> list[str]:

@@ -19,6 +19,10 @@ score, update, sync: the new weights to the rollout), or resident:
                  buffers (static-cache engine), the new set it casts at a sync, or vLLM's share
     fixed        the CUDA context (NVML sees it, torch's allocator does not), the allocator's slack
 
+Where the ranks keep standby processes (train.layout.standby), each GPU holds one beside each of its
+processes whose engine compiles its decoder layers: its CUDA context and a layer it rehearses the
+rank's compiled calls on.
+
 A process's roles' calls run one after the other: while one runs, the process holds the resident
 parts and that call's own. Its peak is its largest call, times the caching allocator's slack (it
 keeps what it reserved: a process's peak holds until it ends), plus the context; a GPU's is the sum
@@ -190,7 +194,7 @@ class Lengths:
 
     @classmethod
     def of(cls, cfg: TrainConfig, notes: list[str]) -> Lengths:
-        response = cfg.environment.tokens(cfg.rollout.max_new_tokens) if cfg.environment.cls else cfg.rollout.max_new_tokens
+        response = cfg.environment.tokens(cfg.rollout.max_new_tokens) if cfg.environment.multi_turn else cfg.rollout.max_new_tokens
         if cfg.data.max_prompt_length:
             return cls(cfg.data.max_prompt_length, response)
         if not cfg.data.dataset:       # the built-in tasks' prompts: their digits, "+", "=", a start token
@@ -218,9 +222,33 @@ def plan_memory(cfg: TrainConfig, components: list[Gpus], size: ModelSize, const
                      for p in _role_parts(role, cfg, size, lengths, ranks, generator, c, constants)]
             if parts:
                 processes.append(ProcessPlan(roles, parts, constants))
+                if cfg.layout.standby and any(_compiles_layers(r, cfg, ranks.get(r, 1)) for r in roles):
+                    processes.append(_standby(roles, parts, size, constants))   # true, or auto: on CUDA devices
         if processes:
             plans.append(GpuPlan(c, processes))
     return MemoryPlan(cfg, components, size, constants, plans, notes)
+
+
+def _compiles_layers(role: str, cfg: TrainConfig, world: int) -> bool:
+    """Whether the role's engine compiles its decoder layers (which a standby rehearses): the torch
+    engine's, not under FSDP2 (a trained role on several GPUs), megatron's without TP or PP."""
+    e = cfg.engine
+    if role not in ("actor_rollout", "critic", "ref") or not e.compile:
+        return False
+    if e.backend == "megatron":
+        return e.tensor_parallel == e.pipeline_parallel == 1
+    return world == 1 or role == "ref"
+
+
+def _standby(roles: tuple[str, ...], parts: list[Part], size: ModelSize, k: Constants) -> ProcessPlan:
+    """A rank's standby process (train.layout.standby) on its GPU: a CUDA context, and while it rehearses
+    the rank's compiled layers (hpcrl.controller.layer_rehearsal), one decoder layer: its weights and
+    gradients where the rank trains (fp32), else its bf16 weights; the rehearsal's activations are a
+    few samples' and left out. One process for colocated roles, which rehearses theirs one at a time."""
+    trains = any(p.kind == "gradients" for p in parts)
+    return ProcessPlan(("+".join(roles) + " standby",),
+                       [Part("one layer rehearsed" + (" (+ gradients)" if trains else ""), "weights",
+                             (8 if trains else 2) * size.per_layer)], k)
 
 
 def _role_parts(role: str, cfg: TrainConfig, size: ModelSize, lengths: Lengths, ranks: dict, generator: str,

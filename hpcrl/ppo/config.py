@@ -118,7 +118,9 @@ class RewardSettings(Settings):
     fn: str = ""
     """rule reward `module:function`, called as fn(prompt, response, **fields) -> float in the reward
     role. Empty: with a dataset, the built-in scorer of each sample's data_source (GSM8K, MATH,
-    reasoning-gym…: hpcrl/ppo/verifiers.py); without one, the copy task's rule"""
+    reasoning-gym…: hpcrl/ppo/verifiers.py); without one, the copy task's rule. With judge.enabled:
+    an async function taking `judge`, an openai.AsyncOpenAI of the judge role's endpoint, awaited
+    as fn(prompt, response, judge=client, **fields), the batch's calls at once"""
     batched: bool = False
     """fn takes the whole batch: fn(prompts, responses, **fields as lists) -> a score per sample"""
     model_dir: PathText = ""
@@ -504,9 +506,10 @@ class LayoutSettings(Settings):
     processes_per_node: dict[str, PositiveInt] = Field(default_factory=dict)
     """role -> processes per CPU node (a GPU node runs one per GPU)"""
     standby: bool | Literal["auto"] = "auto"
-    """keep an idle process per rank (its imports done, nothing reserved; started after the first step)
-    so a dead rank is replaced without a process start: true, false, or auto (the roles whose
-    processes run on CUDA devices)"""
+    """keep an idle process per rank (its imports done, nothing reserved; started after the first step,
+    and a step later its rank's compiled layers rehearsed on the rank's GPU: a CUDA context and one
+    layer, which the memory plan counts) so a dead rank is replaced without a process start, imports or
+    compiles: true, false, or auto (the roles whose processes run on CUDA devices)"""
     restart_limit: Count = 3
     """rebuilds of one role allowed per hour (a dead process, or ranks that missed a call's deadline)
     before the run fails; for missed deadlines it stops at its last step, committed, and requeues"""
@@ -548,20 +551,58 @@ class EnvironmentSettings(Settings):
     failed_score: Annotated[float, Field(ge=-100, le=100)] = 0.0
     """the score of an episode whose environment failed (raised, timed out, or lost its process): it is
     trained with this score, and named in the log"""
+    agent: str = ""
+    """your own agent instead of an environment class, `package.module:function`: an async function
+    `(row, client)` written against the `openai` package, `client` an openai.AsyncOpenAI pointed at
+    the generating role's endpoint with the episode's key; it returns the episode's reward, or
+    {reward, info}. It runs in the `env` role (docs: how-to/your-own-agent.md)"""
+    agent_time_limit: Annotated[float, Field(gt=0)] = 600.0
+    """seconds an agent may take for its whole episode; then it is cut, and the episode fails"""
 
-    @field_validator("cls")
+    @field_validator("cls", "agent")
     @classmethod
-    def _import_path(cls, v):
+    def _import_path(cls, v, info):
         if v and not re.fullmatch(r"[\w.]+:[\w.]+", v):
-            raise ValueError(f"{v!r}: write it as package.module:Class (e.g. hpcrl.environments:ToolEnvironment)")
+            form = {"cls": "package.module:Class (e.g. hpcrl.environments:ToolEnvironment)",
+                    "agent": "package.module:function (e.g. my_agents:solve)"}[info.field_name]
+            raise ValueError(f"{v!r}: write it as {form}")
         return v
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if self.cls and self.agent:
+            raise ValueError(f"give cls (an environment class, {self.cls}) or agent (your own agent, {self.agent}), "
+                             "not both")
+        return self
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes of an environment or an agent, in the `env` role."""
+        return bool(self.cls or self.agent)
 
     def tokens(self, max_new_tokens: int) -> int:
         """An episode's token budget after its prompt."""
         return self.max_tokens or self.max_turns * max_new_tokens
 
 
-BUILTIN_ROLES = ("actor_rollout", "rollout", "critic", "ref", "reward", "env")
+class JudgeSettings(Settings):
+    """An LLM judge: a frozen model in a `judge` role of its own, serving an OpenAI-compatible
+    endpoint for the whole run to train.reward.fn, which then gets a client of it (docs:
+    how-to/your-own-agent.md#an-llm-judge)."""
+    enabled: bool = False
+    """run the judge role (placed like any role: roles.judge in the spec, on GPU or CPU nodes);
+    train.reward.fn must then be an async function taking `judge`"""
+    model: PathText = ""
+    """the judge's HF causal LM directory; empty: the policy's initial model (model.path). Its
+    weights never change"""
+    temperature: Annotated[float, Field(ge=0)] = 0.0
+    """the judge's sampling temperature; 0: greedy (a request's own temperature is ignored, as the
+    policy's endpoint ignores it)"""
+    max_new_tokens: PositiveInt = 256
+    """the longest answer of the judge (a request's max_tokens may ask for fewer)"""
+
+
+BUILTIN_ROLES = ("actor_rollout", "rollout", "critic", "ref", "reward", "env", "judge")
 """The roles hpcrl's own workers play (TrainConfig.roles: those a configuration runs)."""
 
 
@@ -599,6 +640,8 @@ class TrainConfig(Settings):
     """how long a role call may take before its ranks count as hung"""
     environment: EnvironmentSettings = Field(default_factory=EnvironmentSettings)
     """multi-turn episodes with an environment (tools, games, code execution)"""
+    judge: JudgeSettings = Field(default_factory=JudgeSettings)
+    """an LLM judge the reward function calls"""
 
     @model_validator(mode="before")
     @classmethod
@@ -608,7 +651,7 @@ class TrainConfig(Settings):
 
     PATHS: ClassVar[tuple[tuple[str, str], ...]] = (
         ("data", "dataset"), ("validation", "dataset"), ("reward", "model_dir"), ("model", "path"),
-        ("model", "critic_init"), ("rollout", "cache_dir"), ("engine", "compile_cache"))
+        ("model", "critic_init"), ("rollout", "cache_dir"), ("engine", "compile_cache"), ("judge", "model"))
     """Settings that name files or folders: taken relative to where the spec is loaded, as run_dir is
     (the job's steps run in the run directory)."""
 
@@ -654,9 +697,12 @@ class TrainConfig(Settings):
                                                   for g in self.layout.colocate):
             p.append(f"rollout.pipeline: {self.rollout.pipeline}, but layout.colocate puts rollout in actor_rollout's "
                      "processes, where the two cannot run at once; place rollout apart, or pipeline: off")
-        if self.rollout.pipeline == "async" and self.environment.cls:
+        if self.rollout.pipeline == "async" and self.environment.multi_turn:
             p.append("rollout.pipeline: async generates on a thread of the driver, but multi-turn episodes "
-                     "(environment.cls) are made turn by turn on the driver's own; use pipeline: one_step_off")
+                     "(environment.cls, environment.agent) are made on the driver's own; use pipeline: one_step_off")
+        if self.environment.agent and self.reward.scorers:
+            p.append("reward.scorers: with environment.agent the agent's reward is the score; leave scorers empty")
+        p += self._judge_problems()
         if self.optim.micro_batch_tokens and self.engine.backend == "megatron":
             p.append("optim.micro_batch_tokens: needs engine.backend: torch (megatron's pipeline sends micro-batches "
                      "of one shape); set it to 0")
@@ -666,6 +712,24 @@ class TrainConfig(Settings):
             p.append("lora.rank: LoRA adapters need engine.backend: torch (megatron's engine trains every weight); "
                      "set engine.backend: torch, or lora.rank: 0")
         return p
+
+    def _judge_problems(self) -> list[str]:
+        """The judge is called by train.reward.fn alone: it needs one, in the reward role, scoring."""
+        if not self.judge.enabled:
+            return []
+        if self.environment.agent:
+            return ["judge.enabled: with environment.agent the agent's reward is the score and the reward role is "
+                    "not asked; call a judge from your agent, or score in reward.fn without environment.agent"]
+        if self.reward.model_dir:
+            return ["judge.enabled: reward.model_dir scores with a reward model, which calls no judge; set "
+                    "reward.fn to an async function taking `judge` (and reward.model_dir empty), or judge.enabled: false"]
+        if all(s.role != "reward" for s in self.reward.terms()):
+            return ["judge.enabled: reward.scorers leave out the reward role, whose reward.fn calls the judge; add "
+                    "{role: reward} to them, or judge.enabled: false"]
+        if not self.reward.fn:
+            return ["judge.enabled: no reward.fn calls the judge (the built-in scorers do not); set reward.fn to "
+                    "your `async def score(prompt, response, judge, **fields)`, or judge.enabled: false"]
+        return []
 
     def with_paths_from(self, base: Path) -> TrainConfig:
         """A copy with its path settings absolute, relative ones taken from `base` (critic_init "actor" is not a path)."""
@@ -696,7 +760,7 @@ class TrainConfig(Settings):
         return ["actor_rollout"] + (["rollout"] if self.rollout.own_role else []) + \
             (["critic"] if self.algorithm.uses_critic else []) + \
             (["ref"] if self.algorithm.uses_ref and not self.reference_in_actor else []) + ["reward"] + \
-            (["env"] if self.environment.cls else [])
+            (["env"] if self.environment.multi_turn else []) + (["judge"] if self.judge.enabled else [])
 
     def reward_function(self) -> str:
         return self.reward.function(self.data.dataset, self.data.task)

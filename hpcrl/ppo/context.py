@@ -40,9 +40,11 @@ from hpcrl.observe.startup import StartupClock, slowest_phases
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig, Scorer
 from hpcrl.ppo.data import PromptDataset
+from hpcrl.ppo.agent_episodes import AgentEpisodes
 from hpcrl.ppo.episodes import Episodes, episode_scores
 from hpcrl.ppo.validation import validate
 from hpcrl.run_dir import RunDir
+from hpcrl.serving.keys import endpoint_secret
 from hpcrl.stop import StopRequest
 
 Driver = Callable[["RunContext"], "str | None"]
@@ -178,8 +180,10 @@ class RunContext:
         environment = cfg.environment
         self.tokenizer, self.dataset, self.held_out = self.inputs or Inputs.read(cfg, self.model_dir, self.prompts)
         generator = self.groups.get("rollout") or self.groups["actor_rollout"]
-        self.episodes = Episodes(cfg, generator, self.groups["env"], self.tokenizer,
-                                 lambda failed: print(f"{now()} {failed}", flush=True)) if environment.cls else None
+        said = lambda failed: print(f"{now()} {failed}", flush=True)     # noqa: E731
+        self.episodes = Episodes(cfg, generator, self.groups["env"], self.tokenizer, said) if environment.cls else \
+            AgentEpisodes(cfg, generator, self.groups["env"], self.tokenizer,
+                          endpoint_secret(RunDir(self.run_dir).ray_token), said) if environment.agent else None
         for name, data in (("training", self.dataset), ("held-out", self.held_out)):
             if data is not None and data.too_long:
                 print(f"{now()} {data.too_long} of {data.too_long + len(data)} {name} prompts are longer than "
@@ -217,6 +221,9 @@ class RunContext:
         """The generated batch (`generate`'s future, or a Batch) with every term of
         train.reward.scorers (score/<role>) and their weighted sum (scores; a failed episode's is
         train.environment.failed_score)."""
+        if isinstance(generated, Batch) and "agent_reward" in generated:   # the agents' rewards are the scores
+            generated["scores"] = episode_scores(generated, self.cfg.environment.failed_score)
+            return generated
         futures = [s.future(generated) for s in self.scores]
         batch = generated.result() if hasattr(generated, "result") else generated
         for f in futures:

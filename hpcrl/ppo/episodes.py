@@ -45,7 +45,7 @@ class Episodes:
         rows = prompts["index"] if "index" in prompts else range(n)
         names = object_array([f"{kind}step {step} sample {i} (dataset row {r})" for i, r in enumerate(rows)])
         prompt = [ids[mask.bool()].tolist() for ids, mask in zip(prompts["prompt_ids"], prompts["prompt_mask"])]
-        ep = [_Episode() for _ in range(n)]
+        ep = [Episode() for _ in range(n)]
         env_s = 0.0
         t0 = time.perf_counter()
         started = self.env.start_episodes(Batch(arrays={**{k: v for k, v in prompts.arrays.items()}, "episode": names}))
@@ -59,7 +59,7 @@ class Episodes:
             if not open_:
                 break
             # as many rows as the generating role has ranks at least: a rank with none would sample nothing
-            contexts, padding = _left_padded([prompt[i] + ep[i].tokens for i in open_], self.tok.pad_id,
+            contexts, padding = left_padded([prompt[i] + ep[i].tokens for i in open_], self.tok.pad_id,
                                              {**prompts.meta, "turn": turn}).pad_to_multiple(self.generator.world_size)
             out = self.generator.generate_sequences(contexts).index(slice(0, padding.size))
             meta["policy_version"] = out.meta.get("policy_version", 0)
@@ -83,10 +83,10 @@ class Episodes:
             if e.failure:
                 self.said(e.failure)
         meta["environment_seconds"] = env_s
-        return prompts.union(_assemble(ep, prompts, self.budget, self.tok.pad_id, meta))
+        return prompts.union(assemble(ep, prompts, self.budget, self.tok.pad_id, meta))
 
 
-class _Episode:
+class Episode:
     """One episode's response so far: tokens, which are the model's, the sampler's log-probs, rewards."""
 
     def __init__(self):
@@ -134,7 +134,7 @@ class _Episode:
         self.logp += [0.0] * len(seen)
 
 
-def _left_padded(contexts: list[list[int]], pad_id: int, meta: dict) -> Batch:
+def left_padded(contexts: list[list[int]], pad_id: int, meta: dict) -> Batch:
     width = max(map(len, contexts))
     ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(contexts), width), dtype=torch.long)
@@ -144,7 +144,7 @@ def _left_padded(contexts: list[list[int]], pad_id: int, meta: dict) -> Batch:
     return Batch({"prompt_ids": ids, "prompt_mask": mask}, meta=meta)
 
 
-def _assemble(ep: list[_Episode], prompts: Batch, width: int, pad_id: int, meta: dict) -> Batch:
+def assemble(ep: list[Episode], prompts: Batch, width: int, pad_id: int, meta: dict) -> Batch:
     """The episodes as one batch of [prompt | response] rows, `width` response tokens each."""
     n = len(ep)
     responses = torch.full((n, width), pad_id, dtype=torch.long)
@@ -170,10 +170,12 @@ def _assemble(ep: list[_Episode], prompts: Batch, width: int, pad_id: int, meta:
 
 
 def episode_scores(batch: Batch, failed_score: float) -> torch.Tensor:
-    """The batch's scores with every failed episode's replaced by `failed_score` (a single-turn batch: as they are)."""
+    """The batch's scores (an agent's episodes: the agents' rewards) with every failed episode's
+    replaced by `failed_score` (a single-turn batch: as they are)."""
+    scores = batch["agent_reward"] if "agent_reward" in batch else batch["scores"]
     if "env/failed" not in batch:
-        return batch["scores"]
-    return torch.where(batch["env/failed"], torch.full_like(batch["scores"], failed_score), batch["scores"])
+        return scores
+    return torch.where(batch["env/failed"], torch.full_like(scores, failed_score), scores)
 
 
 def turn_rewards(batch: Batch) -> torch.Tensor | None:

@@ -60,11 +60,13 @@ from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.context import Driver, Inputs, RunContext, now, weighted_scores
 from hpcrl.ppo.generation import Generation, Lookahead, Producer, WeightSync
 from hpcrl.ppo.episodes import episode_scores, turn_rewards
-from hpcrl.ppo.roles import ActorRollout, Critic, Environments, Reference, RewardModel, Rollout, RuleReward
+from hpcrl.ppo.roles import Agents, ActorRollout, Critic, Environments, Judge, Reference, RewardModel, Rollout, RuleReward
+from hpcrl.ppo.roles.judge import judge_key
 from hpcrl.ppo.roles.custom import checkpointed, worker_class
 from hpcrl.ppo.step_metrics import step_record
 from hpcrl.ppo.tasks import copy_digits, tool_sums
 from hpcrl.run_dir import RunDir
+from hpcrl.serving.keys import endpoint_secret
 from hpcrl.stop import StopRequest
 
 
@@ -85,7 +87,8 @@ def worker_classes(cfg: TrainConfig, own: dict[str, tuple[str, dict]] | None = N
     """Role -> its worker class: the built-in roles cfg runs, then your own (`own`: role ->
     (worker class path, its __init__ keyword arguments), checked)."""
     builtin = {"actor_rollout": ActorRollout, "rollout": Rollout, "critic": Critic, "ref": Reference,
-               "reward": RewardModel if cfg.reward.model_dir else RuleReward, "env": Environments}
+               "reward": RewardModel if cfg.reward.model_dir else RuleReward,
+               "env": Agents if cfg.environment.agent else Environments, "judge": Judge}
     return {**{r: c for r, c in builtin.items() if r in cfg.roles()},
             **{r: checkpointed(worker_class(path, kwargs)) for r, (path, kwargs) in (own or {}).items()}}
 
@@ -97,11 +100,14 @@ def build_worker_groups(cfg: TrainConfig, model_dir: Path, run_dir: Path,
     paths = RunDir(run_dir)
     conf = cfg.model_copy(deep=True)      # what the roles get: the run's cache unless the spec names one
     conf.rollout.cache_dir = str(Path(cfg.rollout.cache_dir or paths.cache).absolute())
+    secret = endpoint_secret(paths.ray_token) if cfg.judge.enabled else b""    # the judge's: its key to the reward role alone
     builtin_args = {"actor_rollout": (str(model_dir), conf), "rollout": (str(model_dir), conf),
                     "critic": (str(model_dir), conf), "ref": (str(model_dir), conf),
                     "reward": (cfg.reward.model_dir,) if cfg.reward.model_dir else
-                    (str(model_dir), cfg.reward_function(), cfg.reward.batched),
-                    "env": (cfg.environment.cls, cfg.environment.kwargs, cfg.environment.step_timeout)}
+                    (str(model_dir), cfg.reward_function(), cfg.reward.batched, judge_key(secret) if secret else ""),
+                    "env": (cfg.environment.agent, cfg.environment.agent_time_limit) if cfg.environment.agent else
+                    (cfg.environment.cls, cfg.environment.kwargs, cfg.environment.step_timeout),
+                    "judge": (str(model_dir), conf, secret)}
     own = own or {}
     workers = {r: (cls, () if r in own else builtin_args[r], dict(own[r][1]) if r in own else {})
                for r, cls in worker_classes(cfg, own).items()}

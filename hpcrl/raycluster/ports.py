@@ -31,6 +31,8 @@ HEAD_PORTS = {"port": 0, "dashboard-port": 7}  # GCS and the (minimal) dashboard
 # which gRPC binds with SO_REUSEPORT, so two jobs' heads on one host would share it. Where grpc is
 # missing (a lean image), no server runs and `ray start` refuses the flag.
 CLIENT_PORT = {"ray-client-server-port": 8}
+# not Ray's: the OpenAI-compatible endpoint a generating rank serves to agents (hpcrl/serving)
+ENDPOINT_PORT = 9
 
 
 @dataclass

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hpcrl.controller.batch import Batch
+from hpcrl.controller.layer_rehearsal import compile_layers
 from hpcrl.engines.train.megatron_layer import attention_mask, layer_spec
 from hpcrl.engines.train.megatron_layout import to_hf, to_megatron
 from hpcrl.engines.train.megatron_optimizer import use_torch_kernels
@@ -113,8 +114,7 @@ class MegatronEngine:
         if compile and tensor_parallel == pipeline_parallel == 1:
             # in place, as the torch engine's. Without TP a layer holds no collective (data parallelism
             # reduces gradients outside it, in megatron's DDP hooks); compiled TP or PP was not measured
-            for layer in model.decoder.layers:
-                layer.compile()
+            compile_layers(list(model.decoder.layers))
         self.bare = model
         if cfg is None:
             model.requires_grad_(False).eval()

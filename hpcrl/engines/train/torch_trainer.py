@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.controller.batch import Batch
+from hpcrl.controller.layer_rehearsal import compile_layers
 from hpcrl.engines.micro_batches import micro_batches, pad_responses
 from hpcrl.engines.train.offload import HostOptimizerState
 from hpcrl.models.critic import ValueModel
@@ -112,9 +113,9 @@ class TorchTrainer:
             # in place: parameter names and state dicts stay as they are. Not under FSDP2, whose hooks
             # the compiled layer would have to trace (untested here, where one GPU is all there is).
             # A checkpointed layer's call (transformers' GradientCheckpointingLayer) checkpoints this
-            # compiled one: its recompute runs the compiled graph again
-            for layer in layers:
-                layer.compile()
+            # compiled one: its recompute runs the compiled graph again. A standby process rehearses
+            # the calls (layer_rehearsal), so that a rank it takes over finds them compiled
+            compile_layers(layers)
         if cfg is None:
             module.requires_grad_(False)
             return

@@ -22,7 +22,7 @@ class ActorRollout(Generates, Checkpointed, ModelRole, Worker):
     weights_to: WeightGroup | None = None    # rank 0: the group it sends the weights to a rollout role by
 
     def __init__(self, model_dir: str, cfg: TrainConfig):
-        self.cfg = cfg
+        self.cfg, self.model_dir = cfg, model_dir
         seed_all(self.cfg.seed + self.rank)
         self.engine = make_train_engine(self.cfg, model_dir, "log_probs", self.device, self.cfg.optim.actor_lr)
         self.rollout = None if self.cfg.rollout.own_role else make_rollout_engine(self.cfg, model_dir, self.rank, self.device,

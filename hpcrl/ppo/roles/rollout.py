@@ -28,6 +28,7 @@ from hpcrl.models import load_causal_lm
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.roles.common import ModelRole
+from hpcrl.ppo.roles.endpoint import ServesEndpoint
 
 
 def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: torch.device, trainer=None):
@@ -69,8 +70,9 @@ def step_seed(seed: int, step: int, rank: int, validation: bool = False, turn: i
     return seed * 1_000_003 + step * 1009 + rank + (turn << 32) + (draw << 44) + (int(validation) << 56)
 
 
-class Generates:
-    """generate_sequences over `self.rollout` (TorchRollout, StaticCacheRollout or VLLMRollout)."""
+class Generates(ServesEndpoint):
+    """generate_sequences over `self.rollout` (TorchRollout, StaticCacheRollout or VLLMRollout), and
+    the OpenAI-compatible endpoint agents call (endpoint.py)."""
     cfg: TrainConfig
     shares_device = False    # a trainer in the same process: free the engine's GPU memory after generating
     policy_version = 0       # the step whose update made the weights it samples with (0: the initial ones)
@@ -100,7 +102,7 @@ class Rollout(Generates, ModelRole, Worker):
     weights_from: WeightGroup | None = None    # the group the actor's rank 0 sends the weights by
 
     def __init__(self, model_dir: str, cfg: TrainConfig):
-        self.cfg = cfg
+        self.cfg, self.model_dir = cfg, model_dir
         self.rollout = make_rollout_engine(self.cfg, model_dir, self.rank, self.device)
         startup.mark("rollout engine")
 
@@ -117,11 +119,12 @@ class Rollout(Generates, ModelRole, Worker):
     @register(Dispatch.ONE_TO_ALL)
     def load_weights(self, weights: Weights | DeviceWeights, version: int) -> None:
         """The actor's weights after its update at step `version`."""
-        if isinstance(weights, DeviceWeights):
-            weights.load(self.rollout.load_weights, self.rank, self.device)
-        else:
-            self.rollout.load_weights(weights)
-        self.policy_version = version
+        with self.engine_lock:
+            if isinstance(weights, DeviceWeights):
+                weights.load(self.rollout.load_weights, self.rank, self.device)
+            else:
+                self.rollout.load_weights(weights)
+            self.policy_version = version
 
     @register(Dispatch.ONE_TO_ALL)
     def join_weight_group(self, ticket: Ticket) -> None:
@@ -142,6 +145,7 @@ class Rollout(Generates, ModelRole, Worker):
         except WeightGroupError as e:
             self.weights_from = None
             return f"broken: {e}"
-        self.rollout.load_weights(weights)
-        self.policy_version = version
+        with self.engine_lock:
+            self.rollout.load_weights(weights)
+            self.policy_version = version
         return "received"
