@@ -68,6 +68,12 @@ def test_a_flat_training_key_still_sets_its_sections_field_with_a_note(tmp_path)
     assert out.returncode == 0, out.stderr
     assert "note: train.actor_lr: now train.optim.actor_lr" in out.stderr
     assert load_spec(flat).train.optim.actor_lr == 1e-5
+    # a section added since that shares a name (train.judge's max_new_tokens and temperature) leaves
+    # the flat keys where they were
+    spec = load_spec(SPEC, overrides=["train.max_new_tokens=12", "train.temperature=0.7"])
+    t = spec.train
+    assert (t.rollout.max_new_tokens, t.rollout.temperature) == (12, 0.7)
+    assert (t.judge.max_new_tokens, t.judge.temperature) == (256, 0.0)
 
 
 def test_overrides_reach_the_script_and_the_record():

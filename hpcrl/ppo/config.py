@@ -791,10 +791,15 @@ _KEPT = ("batch_size", "max_prompt_length", "task_digits", "task_prompts", "temp
 """Flat keys that kept their name in their section. Frozen: settings added since exist only in sections."""
 
 
+_SECTIONS_SINCE = ("judge",)
+"""Sections added after the flat keys were frozen: a name they share with an older section (judge's
+max_new_tokens and temperature) is not their flat key."""
+
+
 def _flat_keys() -> dict[str, str]:
     section_of = {name: section for section, info in TrainConfig.model_fields.items()
                   if isinstance(info.default_factory, type) and issubclass(info.default_factory, Settings)
-                  for name in info.default_factory.model_fields}
+                  and section not in _SECTIONS_SINCE for name in info.default_factory.model_fields}
     return {name: f"{section_of[name]}.{name}" for name in _KEPT} | _RENAMED
 
 
