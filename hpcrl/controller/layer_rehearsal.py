@@ -19,6 +19,7 @@ import copy
 import itertools
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,8 @@ from torch.utils._pytree import tree_leaves
 
 SHAPES_PER_KIND = 2      # a static graph, then the dynamic one a second shape makes
 KINDS_PER_LAYER = 6      # no_grad and grad, train and eval, with and without autocast: more is something else
-_recorded: list[LayerCalls] = []     # this process's, for export_all
+_recorded: weakref.WeakSet[LayerCalls] = weakref.WeakSet()
+"""this process's, for export_all; weakly: a model let go (a test's, a notebook's) is not kept alive by its record"""
 
 
 class Unrehearsable(Exception):
@@ -176,7 +178,7 @@ def compile_layers(layers: list[torch.nn.Module], **options) -> None:
     for layer in layers:
         layer.compile(**options)
     if layers:
-        _recorded.append(LayerCalls(layers[0], options))
+        _recorded.add(LayerCalls(layers[0], options))
 
 
 def export_all() -> list[Rehearsal]:
