@@ -9,12 +9,16 @@ calls it in its native format, which comes back as `tool_calls`, and gets one `t
 call, up to MAX_TURNS turns. The reward: 1 when the last number of the final answer is the ground
 truth's (verl's reward_model.ground_truth), as the rule reward `last_number` scores it.
 """
+from __future__ import annotations
+
 import ast
 import json
 import operator
 import re
+from typing import TYPE_CHECKING
 
-import openai
+if TYPE_CHECKING:      # the client is given; the wheel imports this module without the agents extra
+    import openai
 
 MAX_TURNS = 4
 CALCULATOR = {"type": "function", "function": {

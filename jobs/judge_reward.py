@@ -6,7 +6,12 @@ default the policy's initial model) continues the prompt greedily, and a respons
 share of its characters the judge's answer has in the same place. `verdict` is the usual form for
 a chat model: the judge is asked whether the response answers the prompt and says yes or no.
 """
-import openai
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:      # the client is given; the wheel imports this module without the agents extra
+    import openai
 
 
 async def agrees(prompt: str, response: str, judge: openai.AsyncOpenAI, **fields) -> float:

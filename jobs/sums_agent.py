@@ -5,7 +5,12 @@ The model either answers at once, or starts its turn with "=" to call the calcul
 answers "82="; the agent then asks for the answer. The reward: 0.2 for a call, plus the share of
 the sum's digits the answer gives in place, as the built-in SumsEnvironment and task score it.
 """
-import openai
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:      # the client is given; the wheel imports this module without the agents extra
+    import openai
 
 
 def digits_right(answer: str, truth: str) -> float:
