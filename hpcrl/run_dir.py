@@ -24,8 +24,16 @@ the Ray nodes, the driver, the roles and the login-node commands meet only there
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+
+def log_stamp(t: float | None = None) -> str:
+    """The date every log line of a run starts with (the driver's, a rank's, a Ray node task's), to
+    the millisecond: `hpcrl logs` merges the files by it (hpcrl.observe.logs.line_time)."""
+    t = time.time() if t is None else t
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))}.{int(t % 1 * 1000):03d}"
 
 
 def rank_log(logs: Path, role: str, rank: int) -> Path:

@@ -246,6 +246,18 @@ def pipelined_once(slurm_cluster, tmp_path_factory) -> Path:
     return once
 
 
+def saved_model(path: Path, config, tokenizer) -> Path:
+    """A model transformers builds from `config` (seeded 0), saved in `path` with `tokenizer` (one
+    hpcrl reads): a tiny model of a shape or kind create_model_dir does not build."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save(path)
+    return path
+
+
 def sh(*args: str, check: bool = True) -> str:
     out = subprocess.run(args, capture_output=True, text=True)
     if check and out.returncode != 0:

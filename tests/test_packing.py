@@ -4,7 +4,8 @@ weights as the padded step does, the token budget counts real tokens, and a shor
 packing trains as one without."""
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from conftest import saved_model
+from transformers import LlamaConfig
 
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.micro_batches import micro_batches
@@ -30,12 +31,9 @@ def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param) / "model"
     if request.param == "qwen2":
         return create_model_dir(path, TOK, seed=0)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=TOK.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, intermediate_size=96, max_position_embeddings=64)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    TOK.save(path)
-    return path
+    return saved_model(path, LlamaConfig(vocab_size=TOK.vocab_size, hidden_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, intermediate_size=96,
+                                         max_position_embeddings=64), TOK)
 
 
 def varied_batch(b=10, p=9, r=12, seed=0) -> Batch:

@@ -14,7 +14,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hpcrl.controller.worker import STACKS_SIGNAL, stacks_path
-from hpcrl.run_dir import rank_log
+from hpcrl.run_dir import log_stamp, rank_log
 
 WAIT_S = 10.0     # how long the processes are given to write their stacks
 
@@ -59,7 +59,7 @@ def _size(path) -> int:
 def _append_log(log_dir, role: str, rank: int, text: str) -> None:
     """Lines into a rank's role log as its own process writes them (dated, marked [role rankK])."""
     now = time.time()
-    stamp = f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}.{int(now % 1 * 1000):03d} [{role} rank{rank}] "
+    stamp = f"{log_stamp(now)} [{role} rank{rank}] "
     with open(rank_log(log_dir, role, rank), "a") as f:
         f.write("".join(stamp + line + "\n" for line in text.splitlines()))
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hpcrl.controller import layer_rehearsal, startup
-from hpcrl.run_dir import rank_calls, rank_log
+from hpcrl.run_dir import log_stamp, rank_calls, rank_log
 
 STACKS_SIGNAL = signal.SIGRTMIN + 5
 """Asks a worker process for its Python threads' stacks (faulthandler writes them, even while the
@@ -137,9 +137,7 @@ class WorkerHost:
     def log_line(self, line: str, echo) -> None:
         prefixed = f"[{self.current} rank{self.rank}] {line}\n"
         if self.current in self.files:   # dated in the file, so `hpcrl logs` can merge files by time
-            now = time.time()
-            self.files[self.current].write(f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))}"
-                                           f".{int(now % 1 * 1000):03d} {prefixed}")
+            self.files[self.current].write(f"{log_stamp()} {prefixed}")
         echo.write(prefixed)
 
     def rendezvous(self) -> tuple[str, int]:

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hpcrl.files import StorageError
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.jobspec import SpecError, load_spec
 from hpcrl.env_vars import EXIT_REQUEUE, JobEnv
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import RunDir, log_stamp
 from hpcrl.stop import StopRequest
 
 
@@ -29,10 +31,16 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     """Train the run's spec; returns (the metrics records of this start, why it stopped early or None)."""
     import ray
 
-    from hpcrl.ppo.loop import train
     from hpcrl.importing import import_object
     from hpcrl.raycluster import connect, start_local
 
+    # the training loop's imports (torch, the roles': 2.3 CPU-s) while a local Ray starts, which
+    # mostly waits on its daemons; a job's Ray is up before its driver starts
+    imports = ThreadPoolExecutor(1, thread_name_prefix="hpcrl-imports")
+    loop = imports.submit(importlib.import_module, "hpcrl.ppo.loop")
+    imports.shutdown(wait=False)
+    if not local:
+        loop.result()
     imported = time.time()
 
     paths = RunDir(Path(run_dir).resolve())
@@ -47,6 +55,7 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     else:
         connect(paths.root)
         _ask_for_satellites(paths)
+    train = loop.result().train
     try:
         return train(spec.train, paths.root, stop=stop or StopRequest(cancel_file=paths.cancel),
                      metrics=spec.metrics.model_dump(), own=own, driver=driver, began=began(paths, local, imported))
@@ -92,7 +101,7 @@ def _ask_for_satellites(paths: RunDir) -> None:
     from hpcrl.slurm.sbatch import SubmitError
 
     def say(text: str) -> None:
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {text}", flush=True)
+        print(f"{log_stamp()} {text}", flush=True)
     try:
         reconcile(paths.root, say)
     except (SlurmCommandError, SubmitError, SpecError) as e:
@@ -132,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, reason = run(paths.root, stop, local=args.local, num_cpus=args.num_cpus)
     except StorageError as e:
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} error: {e}", file=sys.stderr, flush=True)
+        print(f"{log_stamp()} error: {e}", file=sys.stderr, flush=True)
         return 1
     if reason:
         return EXIT_REQUEUE

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from hpcrl.files import cache_dir
+from hpcrl.models import plain_qwen2
 from hpcrl.models.packing import PACKED, Packed, to_rows
 from hpcrl.models.size import tiny_qwen2_fields
 from hpcrl.models.tokenizer import CharTokenizer
@@ -87,8 +88,12 @@ def _cached_tiny_model(tokenizer: CharTokenizer, seed: int, config: dict) -> Pat
     return cached if (cached / "config.json").exists() else None
 
 
-def load_causal_lm(path: Path, dtype=torch.float32, device: torch.device | str | None = None):
-    """The causal LM in `path`, in `dtype`; straight onto a GPU `device` where it can be (straight_to)."""
+def load_causal_lm(path: Path, dtype=torch.float32, device: torch.device | str | None = None, plain: bool = False):
+    """The causal LM in `path`, in `dtype`; straight onto a GPU `device` where it can be (straight_to).
+    `plain`: the tiny model a run builds in plain torch, where `path` holds one (hpcrl.models.plain_qwen2:
+    no transformers import); not for a module peft adapts, which takes transformers' classes only."""
+    if plain and plain_qwen2.loads(path):
+        return plain_qwen2.load(path, dtype, device)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **straight_to(device))

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from hpcrl.models import plain_qwen2
 from hpcrl.models.causal_lm import position_ids, straight_to
 from hpcrl.models.packing import PACKED, Packed
 
@@ -13,15 +14,20 @@ class ValueModel(torch.nn.Module):
     """V(prefix) for every position. Backbone and head from a causal LM directory (the actor's: a
     fresh head), from a sequence-scoring reward model directory (its score head as the start), or
     from a value model `hpcrl export --role critic` wrote (a token classifier: its head as it is).
-    On a GPU `device` the backbone is loaded straight onto it, as load_causal_lm does."""
+    On a GPU `device` the backbone is loaded straight onto it, as load_causal_lm does; `plain` as
+    load_causal_lm's (the tiny model's backbone in plain torch)."""
 
-    def __init__(self, model_dir: Path, device: torch.device | str | None = None):
+    def __init__(self, model_dir: Path, device: torch.device | str | None = None, plain: bool = False):
         super().__init__()
-        from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+        if plain and plain_qwen2.loads(model_dir):
+            cfg = plain_qwen2.read_config(model_dir)
+            self.backbone = plain_qwen2.load(model_dir, torch.float32, device, backbone=True)
+        else:
+            from transformers import AutoConfig, AutoModel
 
-        cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        self.backbone = AutoModel.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
-                                                  **straight_to(device))
+            cfg = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+            self.backbone = AutoModel.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32,
+                                                      **straight_to(device))
         self.head = torch.nn.Linear(cfg.hidden_size, 1)
         architectures = cfg.architectures or []
         if any("ForTokenClassification" in a for a in architectures):
@@ -32,6 +38,8 @@ class ValueModel(torch.nn.Module):
             head = getattr(values, "score", None) or values.classifier
             self.head.load_state_dict({"weight": head.weight.data[:1], "bias": head.bias.data[:1]})
         elif any("ForSequenceClassification" in a for a in architectures):
+            from transformers import AutoModelForSequenceClassification
+
             scorer = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True,
                                                                         dtype=torch.float32)
             self.head.weight.data.copy_(scorer.score.weight.data[:1])

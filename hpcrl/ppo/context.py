@@ -43,7 +43,7 @@ from hpcrl.ppo.data import PromptDataset
 from hpcrl.ppo.agent_episodes import AgentEpisodes
 from hpcrl.ppo.episodes import Episodes, episode_scores
 from hpcrl.ppo.validation import validate
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import RunDir, log_stamp
 from hpcrl.serving.keys import endpoint_secret
 from hpcrl.stop import StopRequest
 
@@ -180,13 +180,13 @@ class RunContext:
         environment = cfg.environment
         self.tokenizer, self.dataset, self.held_out = self.inputs or Inputs.read(cfg, self.model_dir, self.prompts)
         generator = self.groups.get("rollout") or self.groups["actor_rollout"]
-        said = lambda failed: print(f"{now()} {failed}", flush=True)     # noqa: E731
+        said = lambda failed: print(f"{log_stamp()} {failed}", flush=True)     # noqa: E731
         self.episodes = Episodes(cfg, generator, self.groups["env"], self.tokenizer, said) if environment.cls else \
             AgentEpisodes(cfg, generator, self.groups["env"], self.tokenizer,
                           endpoint_secret(RunDir(self.run_dir).ray_token), said) if environment.agent else None
         for name, data in (("training", self.dataset), ("held-out", self.held_out)):
             if data is not None and data.too_long:
-                print(f"{now()} {data.too_long} of {data.too_long + len(data)} {name} prompts are longer than "
+                print(f"{log_stamp()} {data.too_long} of {data.too_long + len(data)} {name} prompts are longer than "
                       f"max_prompt_length {cfg.data.max_prompt_length} tokens: left out", flush=True)
         self.scores = [Score(s, self.groups[s.role]) for s in cfg.reward.terms()]
         # the rollout role holds a copy of the actor's weights: nothing of its own to save
@@ -246,7 +246,7 @@ class RunContext:
         self.dataset.load_state_dict(state.pop("dataset"))
         self.metrics.truncate(state.pop("metrics_bytes"))   # steps after the checkpoint are done again
         ahead = [b.meta.get("step") for b in inflight]
-        print(f"{now()} resumed from checkpoint step {step} ({RunDir(self.run_dir).ckpt}): "
+        print(f"{log_stamp()} resumed from checkpoint step {step} ({RunDir(self.run_dir).ckpt}): "
               f"{size_rate(nbytes, time.perf_counter() - t0, 'read')}"
               + (f"; batches of steps {ahead} were generated ahead" if ahead else ""), flush=True)
         self.status.event("start", step=step, resumed=True, total_steps=self.cfg.total_steps)
@@ -273,7 +273,7 @@ class RunContext:
         to there), which is committed, and the run stops there. Returns why (the job requeues)."""
         b, self.committing = self.boundary, True
         reason = self.stop.reason if isinstance(error, CallAbandoned) else f"{error}; stopped at step {b.step}"
-        print(f"{now()} {error}", flush=True)
+        print(f"{log_stamp()} {error}", flush=True)
         self.status.phase(b.step, "checkpoint")       # the step the run stops after
         steps = self.checkpoints.store.committed_steps()
         if b.step and not (steps and steps[-1] >= b.step):
@@ -286,7 +286,7 @@ class RunContext:
             self.checkpoint(b.step, b.state, inflight=b.inflight())
         self.checkpoints.finish()
         steps = self.checkpoints.store.committed_steps()
-        print(f"{now()} stopped after step {b.step}; "
+        print(f"{log_stamp()} stopped after step {b.step}; "
               + (f"checkpoint step {steps[-1]} committed" if steps else "nothing committed: the run starts over"),
               flush=True)
         return reason
@@ -298,7 +298,7 @@ class RunContext:
         kept = max((wg.replay_size() for wg in self._process_groups()), key=lambda size: size[1])
         if kept[1] <= self.cfg.checkpoint.replay_limit * 1e6:
             return False
-        print(f"{now()} {kept[0]} updates kept for a rebuilt role to make again hold {kept[1] / 1e6:.3g} MB, more "
+        print(f"{log_stamp()} {kept[0]} updates kept for a rebuilt role to make again hold {kept[1] / 1e6:.3g} MB, more "
               f"than train.checkpoint.replay_limit ({self.cfg.checkpoint.replay_limit} MB): a snapshot now", flush=True)
         return True
 
@@ -306,7 +306,7 @@ class RunContext:
         role = hang["call"].split(".")[0]
         self.status.event("hang", role=role, step=self.status.doc["step"], call=hang["call"], ranks=hang["ranks"],
                           deadline=hang["deadline_s"], waited=hang["waited_s"])
-        print(f"{now()} role {role}: ranks {hang['ranks']} did not answer {hang['call']} within its deadline of "
+        print(f"{log_stamp()} role {role}: ranks {hang['ranks']} did not answer {hang['call']} within its deadline of "
               f"{hang['deadline_s']:.0f} s; their stacks are in {RunDir(self.run_dir).logs}/{role}/rank<k>.log",
               flush=True)
 
@@ -370,7 +370,7 @@ class RunContext:
             if self.snapshot_spills is None:
                 self.snapshot_spills = snapshots_spill(self.groups, kept)
                 for warning in self.snapshot_spills:
-                    print(f"{now()} warning: {warning}", flush=True)
+                    print(f"{log_stamp()} warning: {warning}", flush=True)
             self.status.snapshotted(step, sum(kept.values()), self.snapshot_cadence.cost, self.snapshot_spills)
         for wg in self.groups.values():      # once the start is over (layout.standby)
             wg.start_standby()
@@ -382,7 +382,7 @@ class RunContext:
         if interval is None:
             return
         cost = self.commit_cadence.cost
-        print(f"{now()} periodic checkpoints every {interval:.0f} s (save_every: auto; the last held training "
+        print(f"{log_stamp()} periodic checkpoints every {interval:.0f} s (save_every: auto; the last held training "
               f"{cost:.2f} s, {cost / (cost + interval):.1%} of the wall time): a lost node costs at most that",
               flush=True)
         self.status.event("checkpoint_interval", step=step, seconds=round(interval, 3), cost=round(cost, 3))
@@ -393,14 +393,14 @@ class RunContext:
         try:
             follow_nodes(self.groups.values())
         except ResourcePoolError as e:
-            print(f"{now()} {e}; the role goes on with the nodes it has", flush=True)
+            print(f"{log_stamp()} {e}; the role goes on with the nodes it has", flush=True)
             self.status.event("resize_failed", step=self.status.doc["step"], error=str(e))
 
     def stopped(self, step: int, reason: str) -> str:
         """After the checkpoint of `step`, taken because stop.check() gave `reason`: the run stops
         there (the job requeues it). Returns reason, for the driver to return."""
         self.checkpoints.finish()
-        print(f"{now()} stopped after step {step} ({reason}); checkpoint committed "
+        print(f"{log_stamp()} stopped after step {step} ({reason}); checkpoint committed "
               f"{time.time() - self.stop.since:.2f} s after the request", flush=True)
         return reason
 
@@ -415,7 +415,7 @@ class RunContext:
         """The policy answers the held-out prompts and the reward role scores them (val/...)."""
         scores = validate(self.cfg, self.held_out, self.generate, self.groups["reward"], step)
         self.status.validated(step, scores)
-        print(f"{now()} validation after step {step}: " + "  ".join(f"{k.removeprefix('val/')} {v:.3f}"
+        print(f"{log_stamp()} validation after step {step}: " + "  ".join(f"{k.removeprefix('val/')} {v:.3f}"
                                                                    for k, v in scores.items()), flush=True)
         return scores
 
@@ -432,7 +432,7 @@ class RunContext:
                 steps = self.generating()
                 self.status.event("rebuild", role=role, step=self.status.doc["step"], generating=steps)
                 if steps:
-                    print(f"{now()} role {role} is being rebuilt; meanwhile the rollout goes on generating "
+                    print(f"{log_stamp()} role {role} is being rebuilt; meanwhile the rollout goes on generating "
                           f"the batches of steps {steps}", flush=True)
             elif state == "alive" and was[0] == "restarting":
                 self.status.event("rebuilt", role=role, step=self.status.doc["step"],
@@ -447,17 +447,15 @@ class RunContext:
         progress, or at `step`)."""
         def resized(info: dict, step: int | None = None) -> None:
             self.status.event("resize", role=role, step=self.status.doc["step"] if step is None else step, **info)
-            print(f"{now()} role {role}: {info['why']}: {info['from']} -> {info['to']} ranks "
+            print(f"{log_stamp()} role {role}: {info['why']}: {info['from']} -> {info['to']} ranks "
                   f"({info['seconds']:.2f} s)", flush=True)
         return resized
 
     def _committed(self, step: int, nbytes: int, seconds: float) -> None:
         self.status.event("checkpoint", step=step, bytes=nbytes, seconds=round(seconds, 3))
-        print(f"{now()} checkpoint step {step} committed: {size_rate(nbytes, seconds, 'written')}", flush=True)
+        print(f"{log_stamp()} checkpoint step {step} committed: {size_rate(nbytes, seconds, 'written')}", flush=True)
 
 
-def now() -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S")
 
 
 def size_rate(nbytes: int, seconds: float, verb: str) -> str:

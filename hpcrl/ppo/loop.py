@@ -57,7 +57,7 @@ from hpcrl.observe.metrics import MetricsLog
 from hpcrl.observe.startup import StartupClock
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.context import Driver, Inputs, RunContext, now, weighted_scores
+from hpcrl.ppo.context import Driver, Inputs, RunContext, weighted_scores
 from hpcrl.ppo.generation import Generation, Lookahead, Producer, WeightSync
 from hpcrl.ppo.episodes import episode_scores, turn_rewards
 from hpcrl.ppo.roles import Agents, ActorRollout, Critic, Environments, Judge, Reference, RewardModel, Rollout, RuleReward
@@ -65,7 +65,7 @@ from hpcrl.ppo.roles.judge import judge_key
 from hpcrl.ppo.roles.custom import checkpointed, worker_class
 from hpcrl.ppo.step_metrics import step_record
 from hpcrl.ppo.tasks import copy_digits, tool_sums
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import RunDir, log_stamp
 from hpcrl.serving.keys import endpoint_secret
 from hpcrl.stop import StopRequest
 
@@ -253,7 +253,7 @@ def train(cfg: TrainConfig, run_dir: Path, groups: dict[str, WorkerGroup] | None
         ctx.committing = True
         ctx.checkpoints.finish()
     except RoleStateLost as e:     # the job requeues; its next start resumes every role from the newest committed step
-        print(f"{now()} {e}: the run stops here", flush=True)
+        print(f"{log_stamp()} {e}: the run stops here", flush=True)
         reason = str(e)
     except BaseException as e:
         why = storage_failure(e)
@@ -297,7 +297,7 @@ def ppo(ctx: RunContext) -> str | None:
 
     def routed(route: dict) -> None:      # once per choice of the route, not per step
         status.event("weight_sync", step=status.doc["step"], **route)
-        print(f"{now()} weights to the rollout role by {route['path']}"
+        print(f"{log_stamp()} weights to the rollout role by {route['path']}"
               + (f" ({route['backend']})" if route["backend"] else "")
               + f" to {route['receivers']} ranks, ready in {route['seconds']:.2f} s", flush=True)
 
@@ -420,7 +420,7 @@ def _progress(cfg: TrainConfig, start: int = 0):
     def line(r):
         losses = "".join(f" {name} {r[key]:.4f}" for name, key in (("pg_loss", "actor/pg_loss"), ("vf_loss", "critic/vf_loss"))
                          if r.get(key) is not None)
-        print(f"{now()} step {r['step']}/{cfg.total_steps} reward {r['reward/mean']:.3f} kl {r['kl']:.4f}{losses} "
+        print(f"{log_stamp()} step {r['step']}/{cfg.total_steps} reward {r['reward/mean']:.3f} kl {r['kl']:.4f}{losses} "
               f"resp_len {r['response_length/mean']:.2f} tokens/s {r['throughput/tokens_per_s']:.0f} "
               f"({r['timing/step']:.2f} s)", flush=True)
     return line

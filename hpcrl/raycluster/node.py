@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hpcrl.files import atomic_write_text
 from hpcrl.raycluster.ports import PortBlock, choose_block
-from hpcrl.run_dir import RunDir
+from hpcrl.run_dir import RunDir, log_stamp
 from hpcrl.slurm.allocation import node_name
 
 POLL_S = 0.1
@@ -325,7 +325,7 @@ def run_satellite(run_dir: Path, role: str, run_id: str) -> int:
     name = node_name()
 
     def say(text: str, rc: int) -> int:
-        print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [hpcrl] satellite {name} of role {role}: {text}",
+        print(f"{log_stamp()} [hpcrl] satellite {name} of role {role}: {text}",
               file=sys.stderr if rc else sys.stdout, flush=True)
         return rc
 

@@ -8,7 +8,7 @@ from hpcrl.controller import startup
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.compile_cache import use_compile_cache
 from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer, use_bf16
-from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, values_head
+from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, plain_qwen2, values_head
 from hpcrl.ppo.config import TrainConfig
 
 
@@ -53,7 +53,11 @@ def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch
     onto `device` (a reference that runs in bf16: in bf16, as the engine would store it)."""
     optim = optim_config(cfg, lr) if lr is not None else None
     use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir)
-    import_model_code()
+    adapted = lr is not None and cfg.lora.rank and (head == "log_probs" or cfg.lora.critic)
+    # the tiny model in plain torch: a third of the role's start on CPU was importing transformers
+    plain = cfg.engine.backend == "torch" and not adapted and plain_qwen2.loads(model_dir)
+    if not plain:
+        import_model_code()
     startup.mark("imports")
     if cfg.engine.backend == "megatron":
         try:
@@ -66,14 +70,14 @@ def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch
         startup.mark("model")
         return engine
     if head == "values":
-        module, forward = ValueModel(model_dir, device), values_head
+        module, forward = ValueModel(model_dir, device, plain), values_head
     else:
         dtype = torch.bfloat16 if lr is None and use_bf16(cfg.engine.precision, device) else torch.float32
-        module = load_causal_lm(model_dir, dtype, device)
+        module = load_causal_lm(model_dir, dtype, device, plain)
         forward = log_probs_head(cfg.rollout.temperature, lr is not None, cfg.engine.compile)
     startup.mark("model")
     engine = TorchTrainer
-    if lr is not None and cfg.lora.rank and (head == "log_probs" or cfg.lora.critic):
+    if adapted:
         from hpcrl.engines.train.lora import LoraTrainer, add_adapters
 
         module, engine = add_adapters(module, cfg.lora), LoraTrainer

@@ -25,6 +25,7 @@ from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.compile_cache import use_compile_cache
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
 from hpcrl.models import load_causal_lm
+from hpcrl.models.size import model_fields
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.roles.common import ModelRole
@@ -37,12 +38,12 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
     started from model_dir. `trainer`: the actor's engine in this process, if any."""
     tok = load_tokenizer(model_dir)
     if cfg.rollout.engine == "torch":
-        from transformers import AutoConfig
-
         from hpcrl.engines.rollout.static_cache import SUPPORTED, StaticCacheRollout
 
-        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        if device.type == "cuda" and config.model_type in SUPPORTED:
+        if device.type == "cuda" and model_fields(model_dir)["model_type"] in SUPPORTED:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
             use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir)
             engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile,
                                         reload=trainer.full_weights if trainer is not None and cfg.rollout.release_memory
@@ -52,7 +53,8 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
         if trainer is not None and not hasattr(trainer, "module"):
             raise ValueError(f"rollout_engine: torch on {device} samples with the training module, which "
                              f"{type(trainer).__name__} does not have; run it on a GPU")
-        model = trainer.module if trainer is not None else load_causal_lm(model_dir).to(device).eval().requires_grad_(False)
+        model = trainer.module if trainer is not None else \
+            load_causal_lm(model_dir, device=device, plain=True).eval().requires_grad_(False)
         return TorchRollout(model, tok.pad_id, tok.stop_ids)
     try:
         from hpcrl.engines.rollout.vllm_rollout import VLLMRollout

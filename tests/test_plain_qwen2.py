@@ -1,0 +1,155 @@
+"""The tiny model in plain torch (hpcrl/models/plain_qwen2.py) against transformers' Qwen2 loaded from
+the same directory: the same parameter names, and the same logits, values, gradients and cached
+decoding on every input layout the engines use; and the roles of a tiny run build their engines
+without importing transformers. On the pinned versions every comparison below is bitwise equal; the
+tolerance is for the lowest versions (.ci/test-lowest), whose attention may take another kernel."""
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import saved_model
+from transformers import AutoModel, AutoModelForCausalLM
+
+from hpcrl.models import CharTokenizer, ValueModel, create_model_dir, load_causal_lm, plain_qwen2, tiny_qwen2_config
+from hpcrl.models.causal_lm import position_ids
+from hpcrl.models.packing import Packed
+from hpcrl.ppo.tasks import copy_digits
+
+TOK = CharTokenizer(copy_digits.ALPHABET)
+SEED = 5
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def model_dir(request, tmp_path_factory):
+    """The tiny model a run builds; and one whose output layer is its input embedding."""
+    path = tmp_path_factory.mktemp("plain") / "model"
+    if not request.param:
+        return create_model_dir(path, TOK, seed=0)
+    config = tiny_qwen2_config(TOK.vocab_size)
+    config.tie_word_embeddings = True
+    return saved_model(path, config, TOK)
+
+
+def rows(seed: int = SEED):
+    """Three left-padded rows of different lengths, their mask and positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, TOK.vocab_size, (3, 9), generator=g)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, :1] = 0
+    return ids, mask, position_ids(mask)
+
+
+def both(model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    plain = load_causal_lm(model_dir, plain=True)
+    assert isinstance(plain, plain_qwen2.Qwen2ForCausalLM)
+    return hf, plain
+
+
+def test_the_plain_model_has_transformers_names_and_logits(model_dir):
+    hf, plain = both(model_dir)
+    assert plain.state_dict().keys() == hf.state_dict().keys()
+    for name, value in hf.state_dict().items():
+        assert torch.equal(plain.state_dict()[name], value), name
+    ids, mask, pos = rows()
+    real = mask.bool()
+    for keep in (0, 4):
+        a = hf(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+        b = plain(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=keep).logits
+        same(b[real[:, -a.shape[1]:]], a[real[:, -a.shape[1]:]])
+    # packed: the same rows as one, positions restarting at each (no mask), a tensor of positions kept
+    pk = Packed.of(ids, mask)
+    keep = torch.tensor([0, 5, 6, 13, 20])
+    a = hf(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False, logits_to_keep=keep).logits
+    b = plain(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False, logits_to_keep=keep).logits
+    same(b, a)
+    # which is not the rows run unpacked as one sequence: the sequences were kept apart
+    whole = plain(input_ids=pk.input_ids, use_cache=False).logits[:, keep]
+    assert not torch.allclose(whole, b, atol=1e-3)
+
+
+def test_cached_decoding_gives_the_logits_transformers_gives(model_dir):
+    hf, plain = both(model_dir)
+    ids, mask, pos = rows()
+    a = hf(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    b = plain(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    g = torch.Generator().manual_seed(SEED + 1)
+    for _ in range(3):
+        tok = torch.randint(3, TOK.vocab_size, (3, 1), generator=g)
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+        pos = pos[:, -1:] + 1
+        a = hf(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=a.past_key_values, use_cache=True)
+        b = plain(input_ids=tok, attention_mask=mask, position_ids=pos, past_key_values=b.past_key_values, use_cache=True)
+        same(b.logits, a.logits)
+    assert b.past_key_values.get_seq_length() == mask.shape[1]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gradients_are_transformers_with_and_without_checkpointing(model_dir, checkpointing):
+    hf, plain = both(model_dir)
+    if checkpointing:
+        for m in (hf, plain):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids, mask, pos = rows()
+    for m in (hf, plain):
+        m.train()
+        logits = m(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        torch.log_softmax(logits[mask.bool()], -1)[:, 4].mean().backward()
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    for name, p in plain.named_parameters():
+        same(p.grad, grads[name])
+
+
+def test_the_critic_backbone_gives_transformers_hidden_states(model_dir):
+    torch.manual_seed(SEED)
+    plain = ValueModel(model_dir, plain=True)
+    torch.manual_seed(SEED)
+    hf = ValueModel(model_dir)
+    assert isinstance(plain.backbone, plain_qwen2.Qwen2Model) and not isinstance(hf.backbone, plain_qwen2.Qwen2Model)
+    assert plain.state_dict().keys() == hf.state_dict().keys()
+    same(plain.head.weight, hf.head.weight)
+    ids, mask, _ = rows()
+    same(plain(ids, mask)[mask.bool()], hf(ids, mask)[mask.bool()])
+    same(plain(ids, mask, packed=True), hf(ids, mask, packed=True))
+    reference = AutoModel.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+    same(plain.backbone(ids, mask, position_ids(mask)).last_hidden_state[mask.bool()],
+         reference(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state[mask.bool()])
+
+
+def test_only_the_tiny_model_loads_plain(tmp_path, model_dir):
+    """A model directory without hpcrl's tokenizer (a model of the hub's) loads through transformers."""
+    assert plain_qwen2.loads(model_dir)
+    hub = tmp_path / "hub"
+    AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).save_pretrained(hub)
+    assert not plain_qwen2.loads(hub)
+    assert not isinstance(load_causal_lm(hub, plain=True), plain_qwen2.Qwen2ForCausalLM)
+
+
+def test_a_tiny_runs_roles_build_their_engines_without_transformers(model_dir):
+    """The actor (with its sampler), the critic and the reference of a tiny run, in a fresh process
+    (this one has imported transformers): none imports it. A LoRA actor does (peft adapts
+    transformers' classes)."""
+    code = f"""
+import sys, torch
+from hpcrl.ppo.config import TrainConfig
+from hpcrl.ppo.roles.common import make_train_engine
+from hpcrl.ppo.roles.rollout import make_rollout_engine
+cfg, cpu, d = TrainConfig(), torch.device("cpu"), {str(model_dir)!r}
+actor = make_train_engine(cfg, d, "log_probs", cpu, 1e-3)
+make_rollout_engine(cfg, d, 0, cpu, actor), make_train_engine(cfg, d, "values", cpu, 1e-3)
+make_train_engine(cfg, d, "log_probs", cpu, None), make_rollout_engine(cfg, d, 0, cpu)
+print("transformers" in sys.modules)
+cfg.lora.rank = 4
+make_train_engine(cfg, d, "log_probs", cpu, 1e-3)
+print("transformers" in sys.modules)
+"""
+    pytest.importorskip("peft")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "True"]
