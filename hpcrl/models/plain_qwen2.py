@@ -86,14 +86,11 @@ class Attention(nn.Module):
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if cache is not None:
             k, v = cache.update(k, v, self.index)
-        if self.heads != self.kv_heads:
-            if mask is None:     # as transformers: SDPA's own grouped-query attention where no mask is given
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, scale=self.head_dim ** -0.5,
-                                                     enable_gqa=True)
-                return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        grouped = self.heads != self.kv_heads
+        if grouped and mask is not None:   # as transformers: SDPA's own grouped-query attention only where no mask is given
             k, v = (z.repeat_interleave(self.heads // self.kv_heads, dim=1) for z in (k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1,
-                                             scale=self.head_dim ** -0.5)
+                                             scale=self.head_dim ** -0.5, enable_gqa=grouped and mask is None)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -146,22 +143,30 @@ class Output(dict):
     __getattr__ = dict.__getitem__
 
 
-def attention_mask_4d(attention_mask, position_ids, t: int, past: int, packed: bool):
+def attention_mask_4d(attention_mask, position_ids, t: int, past: int, starts):
     """The (b, 1, t, past + t) boolean mask SDPA takes, or None where plain causal attention is it:
-    causal over the real tokens of each row, or over each sequence of a packed row (a position id
-    that does not follow the one before starts one, as transformers reads them)."""
-    if attention_mask is None and not packed:
+    causal over the real tokens of each row, or over each sequence of a packed row (`starts`: where
+    its sequences start; None where the row is not packed)."""
+    if attention_mask is None and starts is None:
         return None
     device = position_ids.device
     q = torch.arange(past, past + t, device=device)
     mask = (torch.arange(past + t, device=device)[None, :] <= q[:, None])[None, None]
-    if packed:
-        starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1) != 1
+    if starts is not None:
         seq = starts.cumsum(-1)
         mask = mask & (seq[:, None, :, None] == seq[:, None, None, :])
     if attention_mask is not None:
         mask = mask & attention_mask.bool()[:, None, None, :]
     return mask
+
+
+def packed_starts(attention_mask, position_ids, cache):
+    """Where the sequences of a packed row start (a position id that does not follow the one before),
+    or None: transformers reads packed sequences only in one row without a mask and a cache."""
+    if attention_mask is not None or cache is not None or position_ids.shape[0] != 1:
+        return None
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1) != 1
+    return starts if bool(starts.any()) else None
 
 
 class Qwen2Model(nn.Module):
@@ -196,9 +201,7 @@ class Qwen2Model(nn.Module):
         t = x.shape[1]
         if position_ids is None:
             position_ids = torch.arange(past, past + t, device=x.device)[None]
-        # transformers reads packed sequences only where there is no mask and no cache
-        packed = attention_mask is None and cache is None and x.shape[0] == 1 and bool((position_ids[:, 1:] - position_ids[:, :-1] != 1).any())
-        mask = attention_mask_4d(attention_mask, position_ids, t, past, packed)
+        mask = attention_mask_4d(attention_mask, position_ids, t, past, packed_starts(attention_mask, position_ids, cache))
         freqs = position_ids[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)

@@ -456,7 +456,5 @@ class RunContext:
         print(f"{log_stamp()} checkpoint step {step} committed: {size_rate(nbytes, seconds, 'written')}", flush=True)
 
 
-
-
 def size_rate(nbytes: int, seconds: float, verb: str) -> str:
     return f"{nbytes / 1e6:.1f} MB {verb} in {seconds:.2f} s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)"
