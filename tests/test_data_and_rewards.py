@@ -65,6 +65,44 @@ def test_scorer_is_chosen_by_data_source_and_an_unknown_one_is_named():
         verifiers.by_data_source("q", "1", data_source="my/source", ground_truth="1")
 
 
+
+@pytest.mark.parametrize("held_out,batch_size,n_samples,samples", [(7, 2, 2, 1), (300, 16, 8, 1), (5, 4, 1, 2), (3, 8, 8, 1)])
+def test_validation_scores_every_held_out_prompt_once_in_equal_pieces(tmp_path, held_out, batch_size, n_samples, samples):
+    """The held-out prompts go to the engine in pieces of one size (the last filled with repeats),
+    at most a training step's answers each; every prompt's answers are scored once, as a plain mean
+    over the prompts (numpy) says. The engine and scorer answer from the prompt's text alone."""
+    from types import SimpleNamespace
+
+    from hpcrl.ppo.config import TrainConfig
+    from hpcrl.ppo.validation import validate
+
+    tok = CharTokenizer(copy_digits.ALPHABET)
+    numbers = [int(x) for x in np.random.default_rng(held_out).integers(1, 10 ** 4, held_out)]
+    data = PromptDataset(write_rows([{"prompt": f"{n}="} for n in numbers], tmp_path / "v.jsonl"), tok, batch_size, seed=0)
+    cfg = TrainConfig.parse({"data": {"batch_size": batch_size}, "rollout": {"n_samples": n_samples},
+                             "optim": {"mini_batch_size": batch_size * n_samples, "micro_batch_size": batch_size * n_samples},
+                             "validation": {"dataset": str(tmp_path / "v.jsonl"), "samples": samples}})
+    sizes = []
+
+    def score_of(prompt: str) -> float:
+        return int(prompt.rstrip("=")) % 7 / 7
+
+    def generate(prompts: Batch):
+        sizes.append(len(prompts))
+        rows = len(prompts)
+        out = Batch({"response_mask": torch.ones(rows, 3), "has_eos": torch.tensor([score_of(p) < 0.5 for p in prompts["prompt"]])},
+                    {"prompt": prompts["prompt"]})
+        return SimpleNamespace(result=lambda: out)
+
+    reward = SimpleNamespace(compute_scores=SimpleNamespace(future=lambda gen: SimpleNamespace(
+        result=lambda: Batch({"scores": torch.tensor([score_of(p) for p in gen.result()["prompt"]])}))))
+    metrics = validate(cfg, data, generate, reward, step=3)
+    most = batch_size * n_samples // samples
+    assert len(set(sizes)) == 1 and sizes[0] <= max(most, 1) * samples and len(sizes) == -(-held_out // max(most, 1)), sizes
+    expected = np.mean([score_of(f"{n}=") for n in numbers])
+    assert metrics["val/score"] == pytest.approx(expected, abs=1e-6)
+    assert metrics["val/response_length/clip_ratio"] == pytest.approx(np.mean([score_of(f"{n}=") >= 0.5 for n in numbers]))
+
 def test_verl_parquet_and_jsonl_read_the_same(tmp_path):
     rows = verl_rows()
     parquet, jsonl = write_rows(rows, tmp_path / "d.parquet"), write_rows(rows, tmp_path / "d.jsonl")

@@ -153,3 +153,20 @@ print("transformers" in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["False", "True"]
+
+
+@pytest.mark.parametrize("shards", [False, True], ids=["one-file", "sharded"])
+def test_saved_weights_are_what_transformers_loads_from_one_file_or_shards(tmp_path, shards):
+    """What a GPU rollout engine reads without building the model (models.saved_weights): every
+    parameter transformers loads from the folder, by the same name, bitwise."""
+    from hpcrl.models import saved_weights
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_qwen2_config(TOK.vocab_size)).save_pretrained(
+        tmp_path, **({"max_shard_size": "40KB"} if shards else {}))
+    assert (tmp_path / "model.safetensors.index.json").exists() == shards
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).state_dict()
+    weights = saved_weights(tmp_path)
+    assert weights.keys() == loaded.keys()
+    assert all(torch.equal(weights[k], loaded[k]) for k in loaded)
+    assert saved_weights(tmp_path / "nothing") is None

@@ -14,7 +14,7 @@ from conftest import ROOT, job_finished, job_records, sh, wait_until
 import hpcrl
 from hpcrl.raycluster.ports import block_starts, choose_block
 from hpcrl.slurm.render import render_hetjob
-from hpcrl.slurm.sbatch import HetjobExecutor
+from hpcrl.slurm.sbatch import HetjobExecutor, write_spec
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is not importable in the job
 
@@ -118,7 +118,7 @@ def test_a_node_that_never_starts_fails_the_barrier_by_name(slurm_cluster, tmp_p
     job.env["HPCRL_RAY_START_TIMEOUT"] = "20"
     script = "\n".join(line for line in render_hetjob(job).splitlines()
                        if not line.startswith("srun --het-group=2"))  # component 2's Ray node never starts
-    (tmp_path / "run" / "logs").mkdir(parents=True)
+    write_spec(tmp_path / "run", spec.as_data())      # as hpcrl submit does: the driver reads it while it waits
     (tmp_path / "job.sbatch").write_text(script)
     jid = sh("sbatch", "--parsable", str(tmp_path / "job.sbatch")).strip()
     wait_until(lambda: job_finished(jid), 300, "job end")

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hpcrl.files import StorageError
+from hpcrl.raycluster.session import ClusterNotReady
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.jobspec import SpecError, load_spec
 from hpcrl.env_vars import EXIT_REQUEUE, JobEnv
@@ -32,15 +33,14 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     import ray
 
     from hpcrl.importing import import_object
-    from hpcrl.raycluster import connect, start_local
+    from hpcrl.raycluster import start_local, wait_ready
 
-    # the training loop's imports (torch, the roles': 2.3 CPU-s) while a local Ray starts, which
-    # mostly waits on its daemons; a job's Ray is up before its driver starts
+    # the training loop's imports (torch, the roles': 2.3 CPU-s; 3.8 s on a GPU node) while Ray
+    # starts, which mostly waits on its daemons: a local one here, or a job's nodes (the batch script
+    # starts its driver beside them)
     imports = ThreadPoolExecutor(1, thread_name_prefix="hpcrl-imports")
     loop = imports.submit(importlib.import_module, "hpcrl.ppo.loop")
     imports.shutdown(wait=False)
-    if not local:
-        loop.result()
     imported = time.time()
 
     paths = RunDir(Path(run_dir).resolve())
@@ -53,7 +53,8 @@ def run(run_dir: str | Path, stop: StopRequest | None = None, local: bool = Fals
     if local:
         start_local(list(spec.roles), run_dir=paths.root, num_cpus=num_cpus)
     else:
-        connect(paths.root)
+        waited = wait_ready(paths.root, stay_connected=True)     # every node joined: the job's barrier
+        print(f"{log_stamp()} ray: all nodes joined after {waited:.2f} s", flush=True)
         _ask_for_satellites(paths)
     train = loop.result().train
     try:
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.install()
     try:
         _, reason = run(paths.root, stop, local=args.local, num_cpus=args.num_cpus)
-    except StorageError as e:
+    except (StorageError, ClusterNotReady) as e:
         print(f"{log_stamp()} error: {e}", file=sys.stderr, flush=True)
         return 1
     if reason:

@@ -5,7 +5,8 @@ plan reads at `hpcrl validate`) need no torch, and importing them must not impor
 import importlib
 
 _HOME = {"create_model_dir": "causal_lm", "load_causal_lm": "causal_lm", "log_probs_head": "causal_lm",
-         "position_ids": "causal_lm", "response_log_probs": "causal_lm", "tiny_qwen2_config": "causal_lm",
+         "position_ids": "causal_lm", "response_log_probs": "causal_lm", "saved_weights": "causal_lm",
+         "tiny_qwen2_config": "causal_lm",
          "ValueModel": "critic", "response_values": "critic", "values_head": "critic", "CharTokenizer": "tokenizer"}
 __all__ = list(_HOME)
 

@@ -99,6 +99,23 @@ def load_causal_lm(path: Path, dtype=torch.float32, device: torch.device | str |
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **straight_to(device))
 
 
+def saved_weights(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor] | None:
+    """The weights of the model folder `path` by their Hugging Face names, read from its safetensors
+    file or shards straight onto `device`, without building the model (a GPU rollout engine keeps
+    its own copy); None where the folder keeps them otherwise (pytorch_model.bin)."""
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        return None
+    from safetensors.torch import load_file
+
+    return {name: t for f in files for name, t in load_file(folder / f, device=str(device)).items()}
+
+
 def straight_to(device: torch.device | str | None) -> dict:
     """from_pretrained's keywords that load a model straight onto a GPU `device` (a 7B model never
     whole in host memory): transformers does it through accelerate, where that is installed; without

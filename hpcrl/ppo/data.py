@@ -14,6 +14,8 @@ never cut, since a cut question is a different question.
 """
 from __future__ import annotations
 
+import itertools
+
 import json
 from pathlib import Path
 
@@ -129,10 +131,13 @@ class PromptDataset:
                 self.epoch, self.offset = self.epoch + 1, 0
         return self.batch(picked)
 
-    def in_order(self, size: int):
-        """Every kept prompt once, in file order, `size` at a time."""
+    def in_order(self, size: int, fill: bool = False):
+        """Every kept prompt once, in file order, `size` at a time. fill: the last piece filled up to
+        `size` rows with its own prompts again (an engine that captured a graph for `size` rows
+        replays it); the rows past len(self) - start are the repeats."""
         for start in range(0, len(self.rows), size):
-            yield self.batch(list(range(start, min(start + size, len(self.rows)))))
+            picked = list(range(start, min(start + size, len(self.rows))))
+            yield self.batch(list(itertools.islice(itertools.cycle(picked), size)) if fill else picked)
 
     def batch(self, picked: list[int]) -> Batch:
         """Left-padded prompt ids (every prompt ends where the response starts) and the rows' fields."""

@@ -119,8 +119,14 @@ def _failures(run_dir: Path) -> str | None:
     return "; ".join(f"{f.name}: {f.read_text()}" for f in failed)
 
 
-def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
-    """Block until every expected node has joined; seconds waited. Raises with the missing nodes."""
+class ClusterNotReady(RuntimeError):
+    """The job's Ray nodes did not all join in time, or one failed; the message names the missing ones."""
+
+
+def wait_ready(run_dir: Path, timeout_s: float | None = None, stay_connected: bool = False) -> float:
+    """Block until every expected node has joined; seconds waited. Raises ClusterNotReady with the
+    missing nodes. stay_connected: this process stays the cluster's driver (the job's driver waits
+    so), instead of leaving it."""
     run_dir = Path(run_dir)
     cluster = read_cluster(run_dir)
     timeout_s = cluster["start_timeout_s"] if timeout_s is None else timeout_s
@@ -129,10 +135,10 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
     expected = {n["name"] for n in cluster["nodes"]}
     joined: set[str] = set()
 
-    def missing_error(why: str) -> RuntimeError:
+    def missing_error(why: str) -> ClusterNotReady:
         missing = sorted(expected - joined)
         logs = ", ".join(str(RunDir(run_dir).ray_logs / f"{m}.log") for m in missing)
-        return RuntimeError(f"Ray cluster of job {cluster['job_id']} not ready: {why}. "
+        return ClusterNotReady(f"Ray cluster of job {cluster['job_id']} not ready: {why}. "
                             f"Missing nodes: {', '.join(missing)}. Their logs: {logs}")
 
     def until(done, timeout_why: str, poll_s: float) -> float:
@@ -166,7 +172,10 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None) -> float:
 
     try:
         waited = until(all_joined, f"timed out after {timeout_s:.0f}s", 0.05)
-    finally:
+    except BaseException:
+        ray.shutdown()
+        raise
+    if not stay_connected:
         ray.shutdown()
     # for watchers on the login node (hpcrl submit --wait): this start's cluster is up
     ready.write_text(f"{len(joined)} nodes after {waited:.2f} s\n")

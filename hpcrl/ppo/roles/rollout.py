@@ -24,7 +24,7 @@ from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupEr
 from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.compile_cache import use_compile_cache
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
-from hpcrl.models import load_causal_lm
+from hpcrl.models import load_causal_lm, saved_weights
 from hpcrl.models.size import model_fields
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.ppo.config import TrainConfig
@@ -48,7 +48,9 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
             engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile,
                                         reload=trainer.full_weights if trainer is not None and cfg.rollout.release_memory
                                         else None)
-            engine.load_weights(trainer.full_weights() if trainer is not None else load_causal_lm(model_dir).state_dict())
+            # the folder's weights straight onto the GPU: no model built on the host to be copied from
+            engine.load_weights(trainer.full_weights() if trainer is not None else
+                                saved_weights(model_dir, device) or load_causal_lm(model_dir).state_dict())
             return engine
         if trainer is not None and not hasattr(trainer, "module"):
             raise ValueError(f"rollout_engine: torch on {device} samples with the training module, which "
