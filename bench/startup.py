@@ -5,6 +5,8 @@ where the time went. Prints a table and writes JSON after every run.
 
     python bench/startup.py [--base REF] [--repeats N] [--json bench/startup.json]
     python bench/startup.py --gpu bench/gpu_slurm.json     # the table of a GPU run through Slurm (bench/gpu_slurm.py)
+    python bench/startup.py --gpu-pair BASE.json NOW.json [--json OUT]   # two of them side by side: before and after
+                                                                       # (bench/gpu_run.sh startup)
 
 Each run's wall time is from the command's start to its exit; "to first step" from the command's start
 to the first step's metrics record. The machine is shared: compare the two columns of one run of this
@@ -89,15 +91,56 @@ def gpu_table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def gpu_pair(base: Path, now: Path) -> dict:
+    """The learn stage of two GPU runs through Slurm (bench/gpu_slurm.py --stages learn) side by side:
+    each phase's end of the first start (seconds since sbatch) and of the start after the preemption
+    (seconds since the start before it ended), the urgent job to the next step, and the first steps'
+    timings."""
+    def one(path: Path) -> dict:
+        learn = json.loads(path.read_text())["learn"]
+        records = [r for r in learn["records"] if "timing/step" in r]
+        resumed = learn["preemption"].get("resumed_from_step")
+        firsts = [r for r in records if r["step"] in (1, (resumed or 0) + 1)]
+        return {"first start": learn["startup"][0]["phases"], "after the preemption": learn["startup"][1]["phases"],
+                "urgent job to": {k.removeprefix("urgent_to_").removesuffix("_s"): v for k, v in learn["preemption"].items()
+                                  if k.startswith("urgent_to_")},
+                "first steps": {f"step {r['step']}": {k.removeprefix("timing/"): v for k, v in r.items()
+                                                      if k.startswith("timing/") and k != "timing/startup"} for r in firsts},
+                "steady step_s": statistics.median(r["timing/step"] for r in records[-5:])}
+    return {"base": one(base), "now": one(now)}
+
+
+def pair_table(pair: dict) -> str:
+    lines = [f"{'':34s} {'base':>8s} {'now':>8s}"]
+    for part in ("first start", "after the preemption", "urgent job to"):
+        lines.append(part + ":")
+        for key in pair["now"][part]:
+            b = pair["base"][part].get(key)
+            lines.append(f"  {key:32s} {b if b is not None else float('nan'):8.2f} {pair['now'][part][key]:8.2f}")
+    lines.append("first steps (s):")
+    for (step, b), n in zip(pair["base"]["first steps"].items(), pair["now"]["first steps"].values()):
+        lines.append(f"  {step}: " + ", ".join(f"{k} {b.get(k, float('nan')):.2f}/{v:.2f}" for k, v in n.items()))
+    lines.append(f"  steady step_s {pair['base']['steady step_s']:.3f}/{pair['now']['steady step_s']:.3f}")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="HEAD", help="the commit to hold the checkout's code against (default HEAD)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", type=Path, default=ROOT / "bench" / "startup.json")
     ap.add_argument("--gpu", type=Path, help="print the startup table of bench/gpu_slurm.py's JSON and exit")
+    ap.add_argument("--gpu-pair", type=Path, nargs=2, metavar=("BASE", "NOW"),
+                    help="two bench/gpu_slurm.py JSONs (learn stage) side by side; with --json, written there")
     args = ap.parse_args()
     if args.gpu:
         print(gpu_table(args.gpu))
+        return 0
+    if args.gpu_pair:
+        pair = gpu_pair(*args.gpu_pair)
+        print(pair_table(pair))
+        if args.json != ap.get_default("json"):
+            args.json.write_text(json.dumps(pair, indent=1))
         return 0
     base = worktree(args.base)
     result = {"base_ref": args.base, "repeats": args.repeats, "base": [], "now": []}
