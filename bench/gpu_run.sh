@@ -32,7 +32,8 @@
 # startup: the same carry and calls (`bash bench/gpu_run.sh startup`), for the start's table before and after a
 # change: bench/gpu_slurm.py's learn stage (first start, preemption, requeue) of a base commit's tree (.gpubase/,
 # git-ignored, carried beside the part: `git archive REF | tar -x -C .gpubase`) and of the checkout, in turns, PAIRS
-# times (1 by default), each alone on the GPU and with a compile cache of its own (cold at its first start);
+# times (1 by default; SIDES=now: the checkout alone), each alone on the GPU and with a compile cache of its own
+# (cold at its first start);
 # STARTUP_ARGS go to bench/gpu_slurm.py; JSON per run in $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -d .carry ] && { python3 bench/gpu_carry.py take /tmp/carry || exit; }
@@ -156,9 +157,9 @@ for stage in "$@"; do
              smollm2_ready || exit 0
              if [ ! -f /tmp/gpu-startup/started ]; then
                mkdir -p /tmp/gpu-startup && touch /tmp/gpu-startup/started
-               rm -rf /tmp/base && cp -r .gpubase /tmp/base && ln -s ../templates /tmp/base/hpcrl/templates &&
-                 ln -s ../jobs /tmp/base/hpcrl/jobs || exit
-               bg gpu_startup bash -c 'for k in $(seq "${PAIRS:-1}"); do for side in base now; do
+               [ "${SIDES:-base now}" = now ] || { rm -rf /tmp/base && cp -r .gpubase /tmp/base &&
+                 ln -s ../templates /tmp/base/hpcrl/templates && ln -s ../jobs /tmp/base/hpcrl/jobs; } || exit
+               bg gpu_startup bash -c 'for k in $(seq "${PAIRS:-1}"); do for side in ${SIDES:-base now}; do
                    code=$PWD; [ $side = base ] && code=/tmp/base
                    # a compile cache of its own: each first start compiles cold, its requeue finds what it compiled
                    (cd "$code" && XDG_CACHE_HOME=/tmp/gpu-startup/$side$k/cache PYTHONPATH=/tmp/site:$code \
