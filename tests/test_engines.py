@@ -4,6 +4,9 @@ that megatron computes with them what HF does), megatron's attention and optimiz
 references, the chunked output layer of response_log_probs against the model's own logits, and
 where torch.compile's caches go."""
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +301,35 @@ def test_torch_compile_caches_go_to_the_users_cache_or_the_specs_unless_the_site
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-folder"))
     use_compile_cache("", tmp_path / "run" / "cache")
     assert cache_dir() == str(tmp_path / "run" / "cache" / "inductor")
+
+
+PROFILED = """
+import sys, torch
+from hpcrl.engines.compile_cache import use_compile_cache
+use_compile_cache(sys.argv[1], job=sys.argv[2])      # before Dynamo's import, as a role calls it
+from torch._dynamo.utils import counters
+f = torch.compile(lambda x, w: torch.relu(x @ w).sum(-1), backend="eager")
+for rows in (3, 5, 7):
+    f(torch.randn(rows, 8), torch.ones(8, 8))
+print(counters["stats"]["unique_graphs"], torch.compiler.config.job_id)
+"""
+
+
+@pytest.mark.parametrize("own_id", [None, "site-job-7"], ids=["hpcrl's", "TORCH_COMPILE_JOB_ID"])
+def test_a_jobs_next_process_traces_symbolic_sizes_at_once(tmp_path, own_id):
+    """A requeued start (a new process of the same job, `job` its run's cache folder) finds in the
+    compile cache which sizes changed in the start before: Dynamo traces one graph with symbolic sizes,
+    not a static one first and another at the second shape. A job id the site set is kept."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCH_DYNAMO_"))}
+    if own_id:
+        env["TORCH_COMPILE_JOB_ID"] = own_id
+
+    def start(job: Path) -> tuple[int, str]:
+        out = subprocess.run([sys.executable, "-c", PROFILED, str(tmp_path / "cache"), str(job)], env=env,
+                             capture_output=True, text=True, check=True).stdout.split()
+        return int(out[0]), out[1]
+
+    first, named = start(tmp_path / "run" / "cache")
+    assert first == 2 and named == (own_id or named) and named.startswith(own_id or "hpcrl-")
+    assert start(tmp_path / "run" / "cache") == (1, named)                  # the requeued start
+    assert start(tmp_path / "other-run" / "cache")[0] == (1 if own_id else 2)   # another job: its own profile

@@ -52,7 +52,7 @@ def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch
     unless lora.critic is off) trains LoRA adapters on its frozen base instead. The model is loaded
     onto `device` (a reference that runs in bf16: in bf16, as the engine would store it)."""
     optim = optim_config(cfg, lr) if lr is not None else None
-    use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir)
+    use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir, job=cfg.rollout.cache_dir)
     adapted = lr is not None and cfg.lora.rank and (head == "log_probs" or cfg.lora.critic)
     # the tiny model in plain torch: a third of the role's start on CPU was importing transformers
     plain = cfg.engine.backend == "torch" and not adapted and plain_qwen2.loads(model_dir)

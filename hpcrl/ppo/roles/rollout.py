@@ -44,7 +44,7 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-            use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir)
+            use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir, job=cfg.rollout.cache_dir)
             engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile,
                                         reload=trainer.full_weights if trainer is not None and cfg.rollout.release_memory
                                         else None)
