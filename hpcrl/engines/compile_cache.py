@@ -8,8 +8,9 @@ the run's own cache folder serves.
 The kernels are not all of a compile: Dynamo traces every graph again in each new process, and traces
 twice where a call meets a second shape (a static graph first, then one with symbolic sizes). Dynamo
 records which sizes changed (its automatic-dynamic profile, "local PGO") in the same cache, under the
-job's name: a process of a job named so (a requeued start, a rebuilt rank, a standby) traces the graph
-with symbolic sizes at once."""
+job's name: a process of a job named so (a requeued start, a rebuilt rank) traces the graph with
+symbolic sizes at once. (A standby imports Dynamo before its role names the cache and the job, so its
+profile is kept in torch's default cache, the node's /tmp.)"""
 from __future__ import annotations
 
 import hashlib

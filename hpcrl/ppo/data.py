@@ -15,7 +15,6 @@ never cut, since a cut question is a different question.
 from __future__ import annotations
 
 import itertools
-
 import json
 from pathlib import Path
 

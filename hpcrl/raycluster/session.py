@@ -139,7 +139,7 @@ def wait_ready(run_dir: Path, timeout_s: float | None = None, stay_connected: bo
         missing = sorted(expected - joined)
         logs = ", ".join(str(RunDir(run_dir).ray_logs / f"{m}.log") for m in missing)
         return ClusterNotReady(f"Ray cluster of job {cluster['job_id']} not ready: {why}. "
-                            f"Missing nodes: {', '.join(missing)}. Their logs: {logs}")
+                               f"Missing nodes: {', '.join(missing)}. Their logs: {logs}")
 
     def until(done, timeout_why: str, poll_s: float) -> float:
         while not done():
