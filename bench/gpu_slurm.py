@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from datetime import datetime
 import os
 import random
 import signal
@@ -196,7 +197,11 @@ def first_times(run: Path) -> dict:
     end (the first start of the job)."""
     submitted = json.loads((run / "job.json").read_text())["submitted_at"]
     out = next(run.glob("logs/slurm-*.out")).read_text()
-    joined = float(out.split("all nodes joined after")[1].split("(at ")[1].split(")")[0])
+    line = next(ln for ln in out.splitlines() if "all nodes joined after" in ln)
+    # the barrier step's line ends "(at EPOCH)"; the driver's own (it waits at the barrier itself since
+    # 7d22ca8) begins with its log stamp
+    joined = (float(line.split("(at ")[1].split(")")[0]) if "(at " in line else
+              datetime.strptime(" ".join(line.split()[:2]), "%Y-%m-%d %H:%M:%S.%f").timestamp())
     start = next(e["time"] for e in events(run) if e["event"] == "start")
     first = next(r["time"] for r in records(run) if "reward/mean" in r)
     return {"sbatch_to_ray_ready_s": round(joined - submitted, 2), "sbatch_to_workers_s": round(start - submitted, 2),

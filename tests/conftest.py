@@ -74,7 +74,7 @@ urgent job, counts the queue): it runs while no other test of the cluster does."
 
 @pytest.hookimpl(tryfirst=True)     # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Run side by side by pytest-xdist (`-n 4 --dist loadgroup`, as .ci/run): the exclusive tests go to
+    """Run side by side by pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run): the exclusive tests go to
     one worker, first, one after another, while the other workers start on the tests that need no
     cluster (a test of the cluster waits for its turn, _cluster_turn); the tests of a module whose
     own module- or session-scoped fixture makes a run go to one worker, so that it runs once. The

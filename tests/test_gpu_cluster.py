@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -74,7 +76,9 @@ def test_carried_cluster_gives_each_virtual_node_its_own_gpus(slurm_cluster, tmp
     beside the test session's cluster on ports of its own, on eight device files (links to /dev/null:
     Slurm needs character devices, this machine has no GPU). A hetjob's GPU components see their
     own devices' numbers; the carried libraries do not reach the job's environment."""
-    debs, state, fake = tmp_path / "debs", tmp_path / "state", tmp_path / "gpus"
+    # the state in a short folder of its own: a job step's socket is STATE/spool/NODE/NODE_JOB.STEP, and Unix
+    # socket paths end at 108 bytes (under pytest-xdist, tmp_path is 10 longer: the step could not start)
+    debs, state, fake = tmp_path / "debs", Path(tempfile.mkdtemp(prefix="hpcrl-cc-")), tmp_path / "gpus"
     fake.mkdir()
     for k in range(8):
         (fake / f"nvidia{k}").symlink_to("/dev/null")
@@ -101,8 +105,14 @@ def test_carried_cluster_gives_each_virtual_node_its_own_gpus(slurm_cluster, tmp
                           "#SBATCH -p a100 -w a100n2 --gres=gpu:a100:1\n#SBATCH hetjob\n#SBATCH -p cpu\n"
                           "for g in 0 1 2; do srun --het-group=$g bash -c 'echo $SLURMD_NODENAME "
                           "${SLURM_STEP_GPUS:-none} ${CUDA_VISIBLE_DEVICES:-none} ${LD_LIBRARY_PATH:-none}' & done; wait\n")
-        sbatch = subprocess.run(["sbatch", "--parsable", "-W", "-o", str(out), str(script)], env=job_env,
-                                capture_output=True, text=True, timeout=120)
+        try:
+            sbatch = subprocess.run(["sbatch", "--parsable", "-W", "-o", str(out), str(script)], env=job_env,
+                                    capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            queue = subprocess.run(["squeue", "-o", "%i %T %R %N"], env=job_env, capture_output=True, text=True)
+            logs = "".join(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-15:]) + "\n"
+                           for f in sorted((state / "log").glob("*")) if f.is_file())
+            pytest.fail(f"the second cluster's hetjob did not end in 120 s\n{queue.stdout}{queue.stderr}\n{logs}")
         assert sbatch.returncode == 0, sbatch.stderr
         seen = {line.split()[0]: line.split()[1:] for line in out.read_text().splitlines() if line.strip()}
         assert seen["h100n2"] == ["0,1", "2,3", "none"]     # Slurm's numbers on the node; the devices' own
@@ -110,6 +120,7 @@ def test_carried_cluster_gives_each_virtual_node_its_own_gpus(slurm_cluster, tmp
         assert seen["cpun1"][0] == "none" and seen["cpun1"][2] == "none"
     finally:
         down = cluster("down")
+        shutil.rmtree(state, ignore_errors=True)
         assert down.returncode == 0, down.stdout + down.stderr
 
 
