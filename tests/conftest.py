@@ -72,6 +72,15 @@ EXCLUSIVE = "cluster_exclusive"
 urgent job, counts the queue): it runs while no other test of the cluster does."""
 
 
+def pytest_configure(config):
+    """Under `--dist loadgroup`, xdist hands out the work in the order pytest_collection_modifyitems
+    gives it: by default it sorts the groups largest first, so the modules sharing a run of the cluster
+    went out at once and a worker waited for the exclusive tests' turn (372 s in one run) while tests
+    without the cluster were left to do."""
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)     # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
     """Run side by side by pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run): the exclusive tests go to
