@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from datetime import datetime
 import os
 import random
 import signal
@@ -195,13 +194,14 @@ class Job:
 def first_times(run: Path) -> dict:
     """Seconds from sbatch to every Ray node joined, to the workers built and to the first step's
     end (the first start of the job)."""
+    from hpcrl.observe.logs import line_time
+
     submitted = json.loads((run / "job.json").read_text())["submitted_at"]
     out = next(run.glob("logs/slurm-*.out")).read_text()
     line = next(ln for ln in out.splitlines() if "all nodes joined after" in ln)
     # the barrier step's line ends "(at EPOCH)"; the driver's own (it waits at the barrier itself since
     # 7d22ca8) begins with its log stamp
-    joined = (float(line.split("(at ")[1].split(")")[0]) if "(at " in line else
-              datetime.strptime(" ".join(line.split()[:2]), "%Y-%m-%d %H:%M:%S.%f").timestamp())
+    joined = float(line.split("(at ")[1].split(")")[0]) if "(at " in line else line_time(line)
     start = next(e["time"] for e in events(run) if e["event"] == "start")
     first = next(r["time"] for r in records(run) if "reward/mean" in r)
     return {"sbatch_to_ray_ready_s": round(joined - submitted, 2), "sbatch_to_workers_s": round(start - submitted, 2),
