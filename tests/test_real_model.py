@@ -19,7 +19,7 @@ from hpcrl.controller import local_worker
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.base import SamplingParams
 from hpcrl.models import load_causal_lm
-from hpcrl.models.tokenizer import HFTokenizer, load_tokenizer
+from hpcrl.models.tokenizer import HFTokenizer, TokenizerFile, load_tokenizer
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.data import PromptDataset, write_rows
@@ -80,6 +80,33 @@ def test_the_models_own_tokenizer_with_its_chat_template(smollm2):
     assert tok.encode_chat(CHAT[1]) == hf(text, add_special_tokens=False)["input_ids"]
     assert text.endswith("<|im_start|>assistant\n") and "12 + 7" in text
     assert tok.decode(hf.encode("Paris.") + [im_end] + hf.encode(" More")) == "Paris."
+
+
+def test_the_tokenizer_file_read_without_transformers_is_what_autotokenizer_gives(smollm2):
+    """hpcrl.models.tokenizer.TokenizerFile (the tokenizers library and jinja2) against AutoTokenizer:
+    the same ids for plain text, with and without special tokens, the same chat renderings (every
+    conversation here, with and without the generation prompt, with tools), the same decoding."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm2, local_files_only=True)
+    plain = TokenizerFile.of(smollm2)
+    assert plain is not None and len(plain) == len(hf) == 49152
+    assert [getattr(plain, f"{n}_id") for n in plain.SPECIALS] == [getattr(hf, f"{n}_id") for n in plain.SPECIALS]
+    texts = ["Paris.", " leading space", "tabs\tand\nnewlines\n\n", "Ünïcödé — 東京 🙂", "12 + 7 = 19",
+             "<|im_start|>user\nhi<|im_end|>", "<|endoftext|>x", "   ", ""]
+    for text in texts:
+        for specials in (True, False):
+            assert plain(text, add_special_tokens=specials)["input_ids"] == hf(text, add_special_tokens=specials)["input_ids"], text
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "adds",
+                                                "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}]
+    for chat in [*CHAT, CHAT[1] + [{"role": "assistant", "content": "19"}, {"role": "user", "content": "Sure?"}]]:
+        for prompt in (True, False):
+            for t in (None, tools):
+                assert plain.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False, tools=t) == \
+                    hf.apply_chat_template(chat, add_generation_prompt=prompt, tokenize=False, tools=t), (chat, prompt, t)
+    ids = hf("<|im_start|>assistant\nÜnïcödé 東京<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    for skip in (True, False):
+        assert plain.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
 
 
 def test_both_rollout_engines_answer_as_hugging_face_generate(smollm2, tmp_path):

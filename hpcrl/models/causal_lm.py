@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from hpcrl.files import cache_dir
-from hpcrl.models import plain_qwen2
+from hpcrl.models import plain_decoder
 from hpcrl.models.packing import PACKED, Packed, to_rows
 from hpcrl.models.size import tiny_qwen2_fields
 from hpcrl.models.tokenizer import CharTokenizer
@@ -90,10 +90,11 @@ def _cached_tiny_model(tokenizer: CharTokenizer, seed: int, config: dict) -> Pat
 
 def load_causal_lm(path: Path, dtype=torch.float32, device: torch.device | str | None = None, plain: bool = False):
     """The causal LM in `path`, in `dtype`; straight onto a GPU `device` where it can be (straight_to).
-    `plain`: the tiny model a run builds in plain torch, where `path` holds one (hpcrl.models.plain_qwen2:
-    no transformers import); not for a module peft adapts, which takes transformers' classes only."""
-    if plain and plain_qwen2.loads(path):
-        return plain_qwen2.load(path, dtype, device)
+    `plain`: in plain torch where `path` holds a model hpcrl.models.plain_decoder loads (the tiny model a run
+    builds, a small Qwen2 or Llama: no transformers import); not for a module peft adapts, which takes
+    transformers' classes only."""
+    if plain and plain_decoder.loads(path):
+        return plain_decoder.load(path, dtype, device)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **straight_to(device))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from hpcrl.models import plain_qwen2
+from hpcrl.models import plain_decoder
 from hpcrl.models.causal_lm import position_ids, straight_to
 from hpcrl.models.packing import PACKED, Packed
 
@@ -15,13 +15,13 @@ class ValueModel(torch.nn.Module):
     fresh head), from a sequence-scoring reward model directory (its score head as the start), or
     from a value model `hpcrl export --role critic` wrote (a token classifier: its head as it is).
     On a GPU `device` the backbone is loaded straight onto it, as load_causal_lm does; `plain` as
-    load_causal_lm's (the tiny model's backbone in plain torch)."""
+    load_causal_lm's (the backbone in plain torch where hpcrl.models.plain_decoder loads the model)."""
 
     def __init__(self, model_dir: Path, device: torch.device | str | None = None, plain: bool = False):
         super().__init__()
-        if plain and plain_qwen2.loads(model_dir):
-            cfg = plain_qwen2.read_config(model_dir)
-            self.backbone = plain_qwen2.load(model_dir, torch.float32, device, backbone=True)
+        if plain and plain_decoder.loads(model_dir):
+            cfg = plain_decoder.read_config(model_dir)
+            self.backbone = plain_decoder.load(model_dir, torch.float32, device, backbone=True)
         else:
             from transformers import AutoConfig, AutoModel
 

@@ -17,7 +17,10 @@ Every role loads the tokenizer from the same directory, so they all agree on eve
 """
 from __future__ import annotations
 
+import functools
 import json
+import re
+from datetime import datetime
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -115,14 +118,8 @@ class HFTokenizer:
     tokenizers pad with their eos, which would read as a stop)."""
 
     def __init__(self, model_dir: str | Path):
-        from transformers import AutoTokenizer
-
         self.model_dir = Path(model_dir)
-        try:
-            self.tok = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{self.model_dir}: no tokenizer that transformers can load here ({e}); a model "
-                             "directory needs its tokenizer files (tokenizer.json or its vocabulary)") from None
+        self.tok = TokenizerFile.of(self.model_dir) or _transformers_tokenizer(self.model_dir)
         self.stop_ids = sorted(set(_ids(self.tok.eos_token_id) + _ids(_generation_eos(self.model_dir))))
         if not self.stop_ids:
             raise ValueError(f"{self.model_dir}: the tokenizer names no eos token and generation_config.json no "
@@ -178,6 +175,103 @@ class HFTokenizer:
         ids = [int(i) for i in ids]
         cut = next((k for k, i in enumerate(ids) if i in self.stop_ids), len(ids))
         return self.tok.decode(ids[:cut], skip_special_tokens=True)
+
+
+def _transformers_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{model_dir}: no tokenizer that transformers can load here ({e}); a model "
+                         "directory needs its tokenizer files (tokenizer.json or its vocabulary)") from None
+
+
+class TokenizerFile:
+    """A tokenizer.json run as transformers runs it for the classes that take the file as it is
+    (TokenizersBackend, which transformers 5 saves for SmolLM2 and most tokenizers, and 4.x's
+    PreTrainedTokenizerFast), without importing transformers (2-3 CPU-seconds of a role's start beside torch): the
+    tokenizers library's pipeline as saved, the special tokens of tokenizer_config.json, the chat
+    template rendered as apply_chat_template renders it. The few calls HFTokenizer makes, by
+    transformers' names; tests/test_real_model.py holds it to AutoTokenizer."""
+
+    CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+    SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+    def __init__(self, backend, specials: dict[str, str], chat_template: str | None):
+        self.backend, self.specials, self.chat_template = backend, specials, chat_template
+        for name in self.SPECIALS:
+            setattr(self, f"{name}_id", backend.token_to_id(specials[name]) if name in specials else None)
+
+    @classmethod
+    def of(cls, model_dir: Path) -> TokenizerFile | None:
+        """The directory's tokenizer, or None where transformers would change the file's pipeline
+        (another class, bos/eos added by the config, special tokens it would add, cleaned-up
+        decoding, a template chosen by name or marking generations, a vocabulary whose pre-tokenizer
+        it may patch)."""
+        try:
+            config = json.loads((model_dir / "tokenizer_config.json").read_text())
+            from tokenizers import Tokenizer
+
+            backend = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        except (OSError, ValueError, ImportError):
+            return None
+        specials = {k: _content(config[k]) for k in cls.SPECIALS if config.get(k) is not None}
+        declared = [(int(i), _content(t)) for i, t in (config.get("added_tokens_decoder") or {}).items()]
+        template = config.get("chat_template")
+        if (model_dir / "chat_template.jinja").exists():
+            template = (model_dir / "chat_template.jinja").read_text()
+        if (config.get("tokenizer_class") not in cls.CLASSES or "add_bos_token" in config or "add_eos_token" in config
+                or config.get("clean_up_tokenization_spaces") or config.get("split_special_tokens")
+                or config.get("extra_special_tokens") or config.get("additional_special_tokens")
+                or backend.post_processor is None or backend.get_vocab_size() > 100_000
+                or not isinstance(template, (str, type(None))) or re.search(r"{%-?\s*generation", template or "")
+                or any(backend.token_to_id(t) is None for t in specials.values())
+                or any(backend.token_to_id(t) != i for i, t in declared)):
+            return None
+        return cls(backend, specials, template)
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": self.backend.encode(text, add_special_tokens=add_special_tokens).ids}
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool = False,
+                            tools: list[dict] | None = None) -> str:
+        """The rendering as text (HFTokenizer encodes it itself)."""
+        if tokenize:
+            raise NotImplementedError("TokenizerFile renders chat templates as text only (tokenize=False)")
+        return _compiled_template(self.chat_template).render(messages=messages, tools=tools, documents=None,
+                                                             add_generation_prompt=add_generation_prompt,
+                                                             **self.specials)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str):
+    """The template in the environment apply_chat_template renders in: sandboxed, blocks trimmed,
+    loop controls, a `tojson` that keeps non-ASCII text, `raise_exception` and `strftime_now`."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(template)
+
+
+def _content(token) -> str:
+    return token["content"] if isinstance(token, dict) else str(token)
 
 
 def _generation_eos(model_dir: Path):

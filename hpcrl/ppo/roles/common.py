@@ -8,7 +8,7 @@ from hpcrl.controller import startup
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.compile_cache import use_compile_cache
 from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer, use_bf16
-from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, plain_qwen2, values_head
+from hpcrl.models import ValueModel, load_causal_lm, log_probs_head, plain_decoder, values_head
 from hpcrl.ppo.config import TrainConfig
 
 
@@ -29,9 +29,9 @@ def optim_config(cfg: TrainConfig, lr: float) -> OptimConfig:
 
 
 def import_model_code() -> None:
-    """transformers' model code, which the roles that hold a model import first: most of such a
-    role's start (5.9 s on a GPU node through Slurm), timed apart; a standby process imports it ahead
-    (Worker.warm_up)."""
+    """transformers' model code, which the roles that hold a model plain_decoder does not load import
+    first: most of such a role's start (5.9 s on a GPU node through Slurm), timed apart; a standby
+    process imports it ahead (Worker.warm_up), not knowing which model its rank will load."""
     from transformers import AutoModelForCausalLM  # noqa: F401
 
 
@@ -54,8 +54,8 @@ def make_train_engine(cfg: TrainConfig, model_dir: str, head: str, device: torch
     optim = optim_config(cfg, lr) if lr is not None else None
     use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir, job=cfg.rollout.cache_dir)
     adapted = lr is not None and cfg.lora.rank and (head == "log_probs" or cfg.lora.critic)
-    # the tiny model in plain torch: a third of the role's start on CPU was importing transformers
-    plain = cfg.engine.backend == "torch" and not adapted and plain_qwen2.loads(model_dir)
+    # a small Qwen2 or Llama in plain torch: a third of the role's start on CPU was importing transformers
+    plain = cfg.engine.backend == "torch" and not adapted and plain_decoder.loads(model_dir)
     if not plain:
         import_model_code()
     startup.mark("imports")

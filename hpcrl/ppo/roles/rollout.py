@@ -24,7 +24,7 @@ from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupEr
 from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.compile_cache import use_compile_cache
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
-from hpcrl.models import load_causal_lm, saved_weights
+from hpcrl.models import load_causal_lm, plain_decoder, saved_weights
 from hpcrl.models.size import model_fields
 from hpcrl.models.tokenizer import load_tokenizer
 from hpcrl.ppo.config import TrainConfig
@@ -41,9 +41,12 @@ def make_rollout_engine(cfg: TrainConfig, model_dir: str, rank: int, device: tor
         from hpcrl.engines.rollout.static_cache import SUPPORTED, StaticCacheRollout
 
         if device.type == "cuda" and model_fields(model_dir)["model_type"] in SUPPORTED:
-            from transformers import AutoConfig
+            if plain_decoder.loads(model_dir):     # its config.json as it is: no transformers import
+                config = plain_decoder.read_config(model_dir)
+            else:
+                from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+                config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
             use_compile_cache(cfg.engine.compile_cache, cfg.rollout.cache_dir, job=cfg.rollout.cache_dir)
             engine = StaticCacheRollout(config, tok.pad_id, tok.stop_ids, device, compile=cfg.engine.compile,
                                         reload=trainer.full_weights if trainer is not None and cfg.rollout.release_memory

@@ -1,20 +1,24 @@
-"""The tiny Qwen2 a run builds (create_model_dir) in plain torch: the roles of a tiny run load it
-without importing transformers, which was a third of each model role's start on CPU (2.1 of 6.3
-CPU-seconds; the issue-57 table in docs/pages/benchmarks.md).
+"""Qwen2 and Llama decoders in plain torch: a run's roles load the tiny model it builds, and a small
+Hugging Face model of either architecture (SmolLM2 is a Llama), without importing transformers, which
+was a third of each model role's start on CPU (2.1 of 6.3 CPU-seconds; the issue-57 table in
+docs/pages/benchmarks.md) and 6-7 s of each on a GPU node.
 
 Same parameter names (state dicts, checkpoints and weight transfers are interchangeable with
-transformers' Qwen2ForCausalLM), same arithmetic as transformers' Qwen2 with its SDPA attention
-(tests/test_plain_qwen2.py holds logits, values, gradients and the KV cache to it), and only what the
-engines ask of a model: a forward over left-padded rows (attention mask and position ids), over
-packed rows (position ids that restart, no mask: hpcrl.models.packing), or one token further on a
-KV cache; `logits_to_keep`; the output layer swapped (the chunked head); gradient checkpointing.
+transformers' Qwen2ForCausalLM and LlamaForCausalLM), same arithmetic as transformers' with its SDPA
+attention (tests/test_plain_decoder.py holds logits, values, gradients and the KV cache to it), and
+only what the engines ask of a model: a forward over left-padded rows (attention mask and position
+ids), over packed rows (position ids that restart, no mask: hpcrl.models.packing), or one token
+further on a KV cache; `logits_to_keep`; the output layer swapped (the chunked head); gradient
+checkpointing. The two architectures differ only in their linear layers' biases.
 
-Any other model directory, or one the LoRA engine adapts (peft needs transformers' classes), loads
-through transformers as before (hpcrl.models.causal_lm.load_causal_lm).
+Any other model directory (another architecture, RoPE scaling, sliding windows, weights in shards or
+over MAX_BYTES, which transformers builds straight onto the GPU), or one the LoRA engine adapts (peft
+needs transformers' classes), loads through transformers (hpcrl.models.causal_lm.load_causal_lm).
 """
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,31 +29,43 @@ import torch.utils.checkpoint
 from torch import nn
 
 WEIGHTS = "model.safetensors"
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+MAX_BYTES = 2 << 30
+"""The largest weights file loaded here: the module is built on the host first (a first meta-device
+build costs a second of torch's own set-up), which a larger model should not cost in host memory."""
 
 
 def loads(model_dir: str | Path) -> bool:
-    """Whether `model_dir` holds a model this module loads: the tiny Qwen2 hpcrl builds (its own
-    character tokenizer beside it), plain RoPE and SiLU, one weights file."""
-    from hpcrl.models.tokenizer import FILE
-
+    """Whether `model_dir` holds a model this module loads: a Qwen2 or Llama causal LM with plain
+    RoPE and SiLU, in one weights file of at most MAX_BYTES."""
     d = Path(model_dir)
     try:
         c = json.loads((d / "config.json").read_text())
+        size = (d / WEIGHTS).stat().st_size
     except (OSError, ValueError):
         return False
     rope = c.get("rope_parameters") or {}
-    return ((d / FILE).exists() and (d / WEIGHTS).exists() and c.get("model_type") == "qwen2"
-            and c.get("architectures") == ["Qwen2ForCausalLM"] and c.get("hidden_act", "silu") == "silu"
+    arch = ARCHITECTURES.get(c.get("model_type"))
+    return (arch is not None and c.get("architectures") == [arch] and size <= MAX_BYTES
+            and c.get("hidden_act", "silu") == "silu" and c.get("pretraining_tp", 1) == 1
             and rope.get("rope_type", "default") == "default" and not c.get("rope_scaling")
             and not c.get("use_sliding_window")
             and c.get("head_dim") in (None, c["hidden_size"] // c["num_attention_heads"]))
 
 
 def read_config(model_dir: str | Path) -> SimpleNamespace:
+    """config.json as attributes, with the defaults transformers' config classes give what it leaves out."""
     c = json.loads((Path(model_dir) / "config.json").read_text())
     rope = c.get("rope_parameters") or {}
-    return SimpleNamespace(**{**c, "rope_theta": rope.get("rope_theta", c.get("rope_theta", 10000.0)),
-                              "tie_word_embeddings": c.get("tie_word_embeddings", False)})
+    llama = c.get("model_type") == "llama"
+    return SimpleNamespace(**{"pad_token_id": None, "rms_norm_eps": 1e-6, **c,
+                              "num_key_value_heads": c.get("num_key_value_heads") or c["num_attention_heads"],
+                              "rope_theta": rope.get("rope_theta", c.get("rope_theta", 10000.0)),
+                              "tie_word_embeddings": c.get("tie_word_embeddings", False),
+                              # Qwen2: biased q, k, v; Llama: as its config says (none in the common ones)
+                              "qkv_bias": bool(c.get("attention_bias", False)) if llama else True,
+                              "o_bias": bool(c.get("attention_bias", False)) if llama else False,
+                              "mlp_bias": bool(c.get("mlp_bias", False)) if llama else False})
 
 
 class RMSNorm(nn.Module):
@@ -74,10 +90,10 @@ class Attention(nn.Module):
         super().__init__()
         self.index, self.heads, self.kv_heads = index, c.num_attention_heads, c.num_key_value_heads
         self.head_dim = c.hidden_size // c.num_attention_heads
-        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=True)
-        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=True)
-        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=True)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=c.o_bias)
 
     def forward(self, x, cos, sin, mask, cache):
         b, t = x.shape[:2]
@@ -97,16 +113,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: SimpleNamespace):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class Qwen2DecoderLayer(nn.Module):
-    """Named as transformers' (the engines find decoder layers by the name's ending)."""
+class DecoderLayer(nn.Module):
+    """Named as the engines look for decoder layers (by the name's ending, as transformers' are)."""
 
     def __init__(self, c: SimpleNamespace, index: int):
         super().__init__()
@@ -169,12 +185,12 @@ def packed_starts(attention_mask, position_ids, cache):
     return starts if bool(starts.any()) else None
 
 
-class Qwen2Model(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, c: SimpleNamespace):
         super().__init__()
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, c.pad_token_id)
-        self.layers = nn.ModuleList(Qwen2DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(c), persistent=False)
 
@@ -218,11 +234,11 @@ def inverse_frequencies(c: SimpleNamespace) -> torch.Tensor:
     return 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
 
-class Qwen2ForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, c: SimpleNamespace):
         super().__init__()
         self.config = c
-        self.model = Qwen2Model(c)
+        self.model = DecoderModel(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -249,6 +265,22 @@ class Qwen2ForCausalLM(nn.Module):
         return Output(logits=self.lm_head(out.last_hidden_state[:, keep, :]), past_key_values=out.past_key_values)
 
 
+@contextmanager
+def _uninitialised():
+    """Modules built here keep their parameters as allocated: the initial draws the weights replace at
+    once cost 0.9 CPU-seconds for SmolLM2's 135M (and would take the run's random numbers). As
+    transformers builds a pretrained model."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    for name in names:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, init in saved.items():
+            setattr(nn.init, name, init)
+
+
 def load(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
          backbone: bool = False) -> nn.Module:
     """The model in `model_dir` (loads() true) in `dtype` on `device`: the causal LM, or with
@@ -256,10 +288,10 @@ def load(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: torc
     from safetensors.torch import load_file
 
     c = read_config(model_dir)
-    # built on the host (a first meta-device build costs a second of torch's own set-up), its random
-    # initialisation drawn apart from the run's generator and replaced by the weights below
-    with torch.random.fork_rng(devices=[]):
-        module = Qwen2Model(c) if backbone else Qwen2ForCausalLM(c)
+    # built on the host (a first meta-device build costs a second of torch's own set-up), uninitialised:
+    # every parameter is replaced by the weights below
+    with _uninitialised():
+        module = DecoderModel(c) if backbone else DecoderForCausalLM(c)
     state = load_file(Path(model_dir) / WEIGHTS)
     if backbone:
         state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}

@@ -1,7 +1,7 @@
-"""The tiny model in plain torch (hpcrl/models/plain_qwen2.py) against transformers' Qwen2 loaded from
-the same directory: the same parameter names, and the same logits, values, gradients and cached
-decoding on every input layout the engines use; and the roles of a tiny run build their engines
-without importing transformers. On the pinned versions every comparison below is bitwise equal; the
+"""Qwen2 and Llama in plain torch (hpcrl/models/plain_decoder.py) against transformers' loaded from the
+same directory (the tiny Qwen2 a run builds, untied and tied, and SmolLM2, a Llama): the same
+parameter names, and the same logits, values, gradients and cached decoding on every input layout
+the engines use; and the roles build their engines and tokenizers without importing transformers. On the pinned versions every comparison below is bitwise equal; the
 tolerance is for the lowest versions (.ci/test-lowest), whose attention may take another kernel."""
 import subprocess
 import sys
@@ -11,7 +11,7 @@ import torch
 from conftest import saved_model
 from transformers import AutoModel, AutoModelForCausalLM
 
-from hpcrl.models import CharTokenizer, ValueModel, create_model_dir, load_causal_lm, plain_qwen2, tiny_qwen2_config
+from hpcrl.models import CharTokenizer, ValueModel, create_model_dir, load_causal_lm, plain_decoder, tiny_qwen2_config
 from hpcrl.models.causal_lm import position_ids
 from hpcrl.models.packing import Packed
 from hpcrl.ppo.tasks import copy_digits
@@ -24,11 +24,16 @@ def same(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=["untied", "tied", "smollm2"])
 def model_dir(request, tmp_path_factory):
-    """The tiny model a run builds; and one whose output layer is its input embedding."""
+    """The tiny model a run builds; one whose output layer is its input embedding; SmolLM2-135M-Instruct
+    (a Llama: no biases, grouped-query attention, tied)."""
+    if request.param == "smollm2":
+        from hpcrl.models.smollm2 import fetch
+
+        return fetch()
     path = tmp_path_factory.mktemp("plain") / "model"
-    if not request.param:
+    if request.param == "untied":
         return create_model_dir(path, TOK, seed=0)
     config = tiny_qwen2_config(TOK.vocab_size)
     config.tie_word_embeddings = True
@@ -48,7 +53,7 @@ def rows(seed: int = SEED):
 def both(model_dir):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
     plain = load_causal_lm(model_dir, plain=True)
-    assert isinstance(plain, plain_qwen2.Qwen2ForCausalLM)
+    assert isinstance(plain, plain_decoder.DecoderForCausalLM)
     return hf, plain
 
 
@@ -111,7 +116,7 @@ def test_the_critic_backbone_gives_transformers_hidden_states(model_dir):
     plain = ValueModel(model_dir, plain=True)
     torch.manual_seed(SEED)
     hf = ValueModel(model_dir)
-    assert isinstance(plain.backbone, plain_qwen2.Qwen2Model) and not isinstance(hf.backbone, plain_qwen2.Qwen2Model)
+    assert isinstance(plain.backbone, plain_decoder.DecoderModel) and not isinstance(hf.backbone, plain_decoder.DecoderModel)
     assert plain.state_dict().keys() == hf.state_dict().keys()
     same(plain.head.weight, hf.head.weight)
     ids, mask, _ = rows()
@@ -122,19 +127,34 @@ def test_the_critic_backbone_gives_transformers_hidden_states(model_dir):
          reference(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).last_hidden_state[mask.bool()])
 
 
-def test_only_the_tiny_model_loads_plain(tmp_path, model_dir):
-    """A model directory without hpcrl's tokenizer (a model of the hub's) loads through transformers."""
-    assert plain_qwen2.loads(model_dir)
-    hub = tmp_path / "hub"
-    AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).save_pretrained(hub)
-    assert not plain_qwen2.loads(hub)
-    assert not isinstance(load_causal_lm(hub, plain=True), plain_qwen2.Qwen2ForCausalLM)
+def test_what_the_plain_module_does_not_implement_loads_through_transformers(tmp_path, model_dir):
+    """The same model with its weights in shards, or with RoPE scaling, is transformers' to load."""
+    assert plain_decoder.loads(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    hf.save_pretrained(tmp_path / "shards", max_shard_size="100MB" if hf.num_parameters() > 1e8 else "40KB")
+    hf.config.rope_parameters = {**(hf.config.rope_parameters or {}), "rope_type": "linear", "factor": 2.0}
+    hf.save_pretrained(tmp_path / "scaled")
+    for other in ("shards", "scaled"):
+        assert not plain_decoder.loads(tmp_path / other), other
+        assert not isinstance(load_causal_lm(tmp_path / other, plain=True), plain_decoder.DecoderForCausalLM), other
 
 
-def test_a_tiny_runs_roles_build_their_engines_without_transformers(model_dir):
-    """The actor (with its sampler), the critic and the reference of a tiny run, in a fresh process
-    (this one has imported transformers): none imports it. A LoRA actor does (peft adapts
-    transformers' classes)."""
+def test_the_plain_config_gives_the_static_cache_engine_the_shape_transformers_config_gives(model_dir):
+    """What a GPU rollout reads of config.json without transformers (its StaticCacheRollout's sizes)."""
+    from transformers import AutoConfig
+
+    from hpcrl.models.shape import Shape, rope_theta
+
+    plain, hf = plain_decoder.read_config(model_dir), AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    assert Shape.of(plain) == Shape.of(hf) and rope_theta(plain) == rope_theta(hf)
+    assert (plain.model_type, plain.rms_norm_eps, plain.max_position_embeddings) == \
+        (hf.model_type, hf.rms_norm_eps, hf.max_position_embeddings)
+
+
+def test_the_roles_build_their_engines_without_transformers(model_dir):
+    """The actor (with its sampler), the critic, the reference and the rollout (with its tokenizer),
+    in a fresh process (this one has imported transformers): none imports it. A LoRA actor does (peft
+    adapts transformers' classes)."""
     code = f"""
 import sys, torch
 from hpcrl.ppo.config import TrainConfig
