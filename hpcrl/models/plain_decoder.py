@@ -1,7 +1,7 @@
 """Qwen2 and Llama decoders in plain torch: a run's roles load the tiny model it builds, and a small
 Hugging Face model of either architecture (SmolLM2 is a Llama), without importing transformers, which
-was a third of each model role's start on CPU (2.1 of 6.3 CPU-seconds; the issue-57 table in
-docs/pages/benchmarks.md) and 6-7 s of each on a GPU node.
+was a third of each model role's start on CPU (2.1 of 6.3 CPU-seconds for the tiny model, 1.6-2.6 of
+4.4-5.3 for SmolLM2's roles; docs/pages/benchmarks.md).
 
 Same parameter names (state dicts, checkpoints and weight transfers are interchangeable with
 transformers' Qwen2ForCausalLM and LlamaForCausalLM), same arithmetic as transformers' with its SDPA
