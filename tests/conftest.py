@@ -14,7 +14,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
+# Two tests at a time on 2 cores, each starting processes whose torch runs 2 or more threads: OpenMP's
+# waiting threads spin by default, and oversubscribed they take the cores from the threads with work
+# (two SmolLM2 tests side by side: 50 s spinning, 18 s sleeping). Here, before any test process loads
+# torch, so that it and every process it starts (Ray's, the Slurm jobs') wait asleep; the arithmetic is
+# the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.ppo.config import TrainConfig
