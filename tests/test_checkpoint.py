@@ -265,6 +265,45 @@ def h5_contents(path):
         return out, dict(f.attrs)
 
 
+def test_a_parallel_write_whose_task_crashed_runs_once_more_from_the_same_shares(tmp_path, monkeypatch, capsys):
+    """write_staged around a step whose task crashed (srun's error, as a segfaulting MPI task gives):
+    the step runs again with the same command while rank 0's meta.json says the file is not in place
+    yet, once; a second crash, or a crash after the file went into place, is the error."""
+    from hpcrl.checkpoint import parallel as parallel_hdf5
+
+    path = tmp_path / "ckpt" / "step_00000002" / "critic.h5"
+    calls, outcomes = [], []
+
+    def step(hosts, argv, timeout):
+        calls.append(argv)
+        outcome = outcomes.pop(0)
+        if outcome == "in place":
+            (parallel_hdf5.staging_dir(path) / "meta.json").unlink()
+        if outcome != "ok":
+            raise RuntimeError("MPI step failed (exit 143): srun ...\nsrun: error: n1: task 1: Segmentation fault")
+        path.write_bytes(b"12345")
+        return '{"datasets": 2, "seconds": 0.5}\n'
+
+    monkeypatch.setattr(parallel_hdf5, "run_mpi_step", step)
+    state = {"w": torch.zeros(10), "b": torch.ones(3)}
+    try:
+        for outcomes[:], raises, steps in ((["crash", "ok"], False, 2), (["crash", "crash", "ok"], True, 2),
+                                           (["in place", "ok"], True, 1)):
+            calls.clear()
+            for rank in (0, 1):
+                parallel_hdf5.stage(path, state, {"step": 2}, rank, 2)
+            if raises:
+                with pytest.raises(RuntimeError, match="task 1: Segmentation fault"):
+                    parallel_hdf5.write_staged(path, ["n2", "n1"])
+                assert not parallel_hdf5.staging_dir(path).exists()     # the shares are let go
+            else:
+                assert parallel_hdf5.write_staged(path, ["n2", "n1"])["bytes"] == 5
+                assert "writing it again from the same staged shares" in capsys.readouterr().err
+            assert len(calls) == steps and calls[0] == calls[-1]
+    finally:
+        shutil.rmtree(parallel_hdf5.staging_dir(path), ignore_errors=True)
+
+
 @pytest.mark.slurm
 def test_parallel_hdf5_file_equals_the_serial_one(slurm_cluster, trained, tmp_path):
     """Two ranks stage their rows, an MPI step of two tasks on two nodes writes one file through

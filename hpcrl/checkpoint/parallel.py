@@ -37,6 +37,7 @@ ALIGN = 64     # each staged part starts on a cache line
 # shared file system's, so that only a hung rank meets it (a 14 GB role: 17 minutes).
 STEP_START_S = 300.0
 SLOWEST_WRITE_BYTES_S = 20e6
+WRITE_TRIES = 2
 
 
 def unavailable() -> str | None:
@@ -126,7 +127,7 @@ def write_staged(path: Path, hosts: list[str]) -> dict:
         staged = staged_bytes(staging_dir(path))
         bound = STEP_START_S + staged / SLOWEST_WRITE_BYTES_S
         argv = [sys.executable, "-m", "hpcrl.checkpoint.parallel", str(staging_dir(path)), str(path)]
-        out = run_mpi_step(hosts, argv, bound)
+        out = _write_step(path, hosts, argv, bound)
     except BaseException as e:
         temporary_path(path).unlink(missing_ok=True)
         shutil.rmtree(staging_dir(path), ignore_errors=True)
@@ -140,6 +141,24 @@ def write_staged(path: Path, hosts: list[str]) -> dict:
     done = json.loads(out.strip().splitlines()[-1])
     return {"bytes": path.stat().st_size, "datasets": done["datasets"], "writer": f"parallel HDF5, {len(hosts)} ranks",
             "write_seconds": done["seconds"]}
+
+
+def _write_step(path: Path, hosts: list[str], argv: list[str], bound: float) -> str:
+    """The MPI step's output. A step whose task failed (an MPI task crashed: a segfault in MPI under load
+    was seen) runs once more, from the same staged shares, which the tasks keep until the file is in
+    place; a step that ran past its bound does not (its ranks hang)."""
+    tries = 1
+    while True:
+        try:
+            return run_mpi_step(hosts, argv, bound)
+        except StepTimeout:
+            raise
+        except RuntimeError as e:
+            if tries == WRITE_TRIES or not (staging_dir(path) / "meta.json").exists():    # gone: in place
+                raise
+            tries += 1
+            print(f"parallel HDF5 write of {path}: {e}\nwriting it again from the same staged shares",
+                  file=sys.stderr, flush=True)
 
 
 def staged_bytes(stage_dir: Path) -> int:
@@ -184,8 +203,6 @@ def main(argv: list[str]) -> None:
             f.flush()                                                          # MPI_File_sync on every rank
         seconds = time.perf_counter() - t0
         del data
-        share_bin.unlink()
-        share_json.unlink()
         comm.Barrier()
     except BaseException:
         import traceback
@@ -200,6 +217,8 @@ def main(argv: list[str]) -> None:
         (stage_dir / "meta.json").unlink()
         print(json.dumps({"datasets": len(meta["datasets"]), "seconds": round(seconds, 4)}), flush=True)
     comm.Barrier()
+    share_bin.unlink()         # kept until the file is in place: a failed step is run again from them
+    share_json.unlink()
     try:
         stage_dir.rmdir()      # each node's own; another rank of the node may have removed it already
     except OSError:
