@@ -69,8 +69,9 @@ def test_scorer_is_chosen_by_data_source_and_an_unknown_one_is_named():
 @pytest.mark.parametrize("held_out,batch_size,n_samples,samples", [(7, 2, 2, 1), (300, 16, 8, 1), (5, 4, 1, 2), (3, 8, 8, 1)])
 def test_validation_scores_every_held_out_prompt_once_in_equal_pieces(tmp_path, held_out, batch_size, n_samples, samples):
     """The held-out prompts go to the engine in pieces of one size (the last filled with repeats),
-    at most a training step's answers each; every prompt's answers are scored once, as a plain mean
-    over the prompts (numpy) says. The engine and scorer answer from the prompt's text alone."""
+    at most a training step's answers each, all of them at once; every prompt's answers are scored once
+    they are collected, as a plain mean over the prompts (numpy) says. The engine and scorer answer from
+    the prompt's text alone."""
     from types import SimpleNamespace
 
     from hpcrl.ppo.config import TrainConfig
@@ -94,9 +95,18 @@ def test_validation_scores_every_held_out_prompt_once_in_equal_pieces(tmp_path, 
                     {"prompt": prompts["prompt"]})
         return SimpleNamespace(result=lambda: out)
 
-    reward = SimpleNamespace(compute_scores=SimpleNamespace(future=lambda gen: SimpleNamespace(
-        result=lambda: Batch({"scores": torch.tensor([score_of(p) for p in gen.result()["prompt"]])}))))
-    metrics = validate(cfg, data, generate, reward, step=3)
+    scored = []
+
+    def score(gen):
+        scored.append(gen)
+        return SimpleNamespace(result=lambda: Batch({"scores": torch.tensor([score_of(p) for p in gen.result()["prompt"]])}))
+
+    reward = SimpleNamespace(compute_scores=SimpleNamespace(future=score))
+    collect = validate(cfg, data, generate, reward, step=3)
+    # every piece issued at once (with the weights of the moment), nothing scored before it is collected
+    assert len(sizes) == -(-held_out // max(batch_size * n_samples // samples, 1)) and not scored
+    metrics = collect()
+    assert len(scored) == len(sizes)
     most = batch_size * n_samples // samples
     assert len(set(sizes)) == 1 and sizes[0] <= max(most, 1) * samples and len(sizes) == -(-held_out // max(most, 1)), sizes
     expected = np.mean([score_of(f"{n}=") for n in numbers])

@@ -93,6 +93,31 @@ def test_an_async_run_stays_within_its_staleness_bound_and_resumes_its_buffer_bi
     assert comparable(resumed[:same]) == comparable(records[:same])
 
 
+def test_the_score_before_training_is_the_first_weights_answered_while_the_first_step_trains(tmp_path):
+    """validation.before_train with a rollout role of its own: the held-out prompts go to the rollout
+    behind the first step's batch and before the first update's weights (the order of its calls), and
+    the score is the untrained policy's: a run whose updates change nothing (lr 1e-30, below a float32
+    ulp of every weight) scores the same before training, while this run's updates change the score."""
+    held_out = tmp_path / "held_out.jsonl"
+    rng = np.random.default_rng(7)
+    held_out.write_text("".join(json.dumps({"prompt": f"{n}="}) + "\n" for n in rng.integers(10, 100, 24)))
+    cfg = TrainConfig(total_steps=4, val_dataset=str(held_out), val_before_train=True, val_every=4, save_every=0,
+                      actor_lr=3e-2, **PIPELINED)
+    records = run_local(tmp_path / "trained", cfg)
+    frozen = run_local(tmp_path / "frozen", cfg.updated(optim={"actor_lr": 1e-30}))
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    val = lambda r: {k: v for k, v in r.items() if k.startswith("val/")}   # noqa: E731
+    assert val(records[0]) == val(frozen[0]) == val(frozen[-1]), (records[0], frozen[0], frozen[-1])
+    assert val(records[-1]) != val(frozen[-1]), (records[-1], frozen[-1])   # the updates do change the score
+    calls = [c for c in read_calls(tmp_path / "trained")["rollout"]
+             if c["method"] in ("generate_sequences", "receive_weights")]
+    order = [(c["method"], c["step"]) for c in sorted(calls, key=lambda c: c["start"])]   # weights: no step
+    first = order.index(("generate_sequences", 1))
+    update = next(i for i, (method, _) in enumerate(order) if method == "receive_weights" and i > first)
+    held_out = [i for i, call in enumerate(order) if call == ("generate_sequences", 0)]
+    assert held_out and first < min(held_out) and max(held_out) < update, order
+
+
 def test_while_the_critic_is_rebuilt_the_rollout_has_the_next_batch_in_hand(tmp_path):
     run = tmp_path / "run"
     proc = start_local_training(run, TrainConfig(total_steps=30, **PIPELINED))

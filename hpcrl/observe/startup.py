@@ -17,7 +17,8 @@ when the driver's process started (a local run). Its phases, each from the end o
         engine           the training engine built
         rollout engine   the generation engine built (on a GPU: its weights copied, its graphs captured)
         built            the role's worker ready
-    validation         the held-out prompts answered before the first step (validation.before_train)
+    validation         the held-out prompts answered with the weights before the first update
+                       (validation.before_train): issued behind the first step's batch, scored after its update
     first_step         the first step of this start trained (on a GPU: most of the compilation)
 
 `hpcrl status` shows the newest start's phases, `hpcrl report` a table of them, and the first step's

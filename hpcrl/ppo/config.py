@@ -82,7 +82,7 @@ class ValidationSettings(Settings):
     every: Count = 0
     """validate after every this many steps (and after the last); 0: only as before_train says"""
     before_train: bool = False
-    """validate once before the first step (recorded as step 0 in metrics.jsonl)"""
+    """validate once with the weights before the first update (recorded as step 0 in metrics.jsonl); a rollout role of its own answers it while the first step trains"""
     samples: PositiveInt = 1
     """responses per held-out prompt"""
     temperature: Annotated[float, Field(ge=0)] = 0.0

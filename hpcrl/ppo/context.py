@@ -411,12 +411,17 @@ class RunContext:
         self.metrics.write(record)
         self.history.append(record)
 
-    def validate(self, step: int) -> dict:
-        """The policy answers the held-out prompts and the reward role scores them (val/...)."""
-        scores = validate(self.cfg, self.held_out, self.generate, self.groups["reward"], step)
-        self.status.validated(step, scores)
-        print(f"{log_stamp()} validation after step {step}: " + "  ".join(f"{k.removeprefix('val/')} {v:.3f}"
-                                                                   for k, v in scores.items()), flush=True)
+    def validate(self, step: int) -> Callable[[], dict]:
+        """The policy answers the held-out prompts, issued now (with the weights of now); the function
+        returned has the reward role score them, says the scores and returns them (val/...)."""
+        collect = validate(self.cfg, self.held_out, self.generate, self.groups["reward"], step)
+
+        def scores() -> dict:
+            scores = collect()
+            self.status.validated(step, scores)
+            print(f"{log_stamp()} validation after step {step}: " + "  ".join(f"{k.removeprefix('val/')} {v:.3f}"
+                                                                       for k, v in scores.items()), flush=True)
+            return scores
         return scores
 
     def _rebuild_listener(self, role: str) -> Callable[[], None]:

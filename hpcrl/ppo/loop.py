@@ -323,9 +323,10 @@ def ppo(ctx: RunContext) -> str | None:
             weights.version = resumed.state.get("policy_version", start if start > cfg.optim.critic_warmup else 0)
             lookahead.resume(start, resumed.inflight)
             weights.send(weights.version)
-        if ctx.held_out is not None and cfg.validation.before_train and start == 0:
-            status.phase(0, "validate")
-            ctx.log({"step": 0, "time": round(time.time(), 3), **ctx.validate(0)})
+        # the score before training: issued behind the first step's generation, collected after the first
+        # update, so that a rollout role of its own answers it while the actor trains (with the first weights)
+        score_before = ctx.held_out is not None and cfg.validation.before_train and start == 0
+        before_train = None     # its scores to come, once issued
         bar = _progress(cfg, start)
         for step in range(start + 1, cfg.total_steps + 1):
             timer, t_step = _Timer(status, step), time.perf_counter()
@@ -348,6 +349,8 @@ def ppo(ctx: RunContext) -> str | None:
 
             with timer("generate"):
                 current = lookahead.take(step)
+            if score_before and step == 1:
+                before_train = ctx.validate(0)
             batch = scored(current)
 
             # 2. advantages, on the driver, of the samples the step trains on: with dynamic sampling,
@@ -381,12 +384,15 @@ def ppo(ctx: RunContext) -> str | None:
             if ctx.held_out is not None and cfg.validation.every and (step % cfg.validation.every == 0
                                                                       or step == cfg.total_steps):
                 with timer("validate"):
-                    val_scores = ctx.validate(step)
+                    val_scores = ctx.validate(step)()
             record = step_record(step, batch, trained, [s.role for s in cfg.reward.terms()], kl_metrics, actor_stats,
                                  critic_stats if critic else None, trained_with, timer.times,
                                  time.perf_counter() - t_step, train_s, val_scores)
             if buffered:
                 record.update(lookahead.measures())
+            if before_train:
+                ctx.log({"step": 0, "time": round(time.time(), 3), **before_train()})
+                before_train = None
             ctx.log(record)
             bar(record)
 

@@ -7,8 +7,8 @@ val_samples times), the run's reward role scores the answers, and the scores are
 """
 from __future__ import annotations
 
-import itertools
 from collections import defaultdict
+from typing import Callable
 
 import numpy as np
 
@@ -17,32 +17,37 @@ from hpcrl.ppo.data import PromptDataset
 from hpcrl.ppo.episodes import episode_scores
 
 
-def validate(cfg: TrainConfig, held_out: PromptDataset, generate, reward, step: int) -> dict[str, float]:
+def validate(cfg: TrainConfig, held_out: PromptDataset, generate, reward, step: int) -> Callable[[], dict[str, float]]:
     """`generate`: prompts -> a future of the generated batch, or the batch (multi-turn episodes);
-    `reward`: the reward role's WorkerGroup.
+    `reward`: the reward role's WorkerGroup. Every piece's generation is issued here, at once, so
+    that all of it is made with the weights of now; the returned function scores the answers and
+    gives the metrics. The loop issues the score before training behind the first step's generation
+    and collects it after the first update: a rollout role of its own answers the held-out prompts
+    while the actor trains (the scoring is issued only then, behind the step's own).
 
     The prompts go in pieces of equal size, at most as many answers as a training step generates
     (data.batch_size x rollout.n_samples: what the engine is sized for), the last filled with repeats
     (dropped here) so that an engine that captured a graph for the first piece replays it for every
-    one; the next piece is generated while the one before is scored. The GPU spec's 300 held-out
+    one; each piece is scored once it is generated, while the next is. The GPU spec's 300 held-out
     prompts are 3 pieces of 100, not 19 of 16 each waited for in turn."""
     most = max(1, cfg.data.batch_size * cfg.rollout.n_samples // cfg.validation.samples)
     size = -(-len(held_out) // -(-len(held_out) // most))      # ceil(n / the fewest pieces of at most `most`)
-    scores, sources, lengths, clipped = [], [], [], []
 
     def issued(prompts):
         if cfg.validation.samples > 1:
             prompts = prompts.repeat(cfg.validation.samples)
         prompts.meta.update(step=step, validation=True)
-        gen = generate(prompts)
-        return prompts, gen, reward.compute_scores.future(gen)     # from the generating ranks to the reward's
+        return prompts, generate(prompts)
 
-    pieces = held_out.in_order(size, fill=True)
-    waiting = [issued(p) for p in itertools.islice(pieces, 2)]
-    left = len(held_out)
-    while waiting:
-        prompts, gen, scored = waiting.pop(0)
-        waiting += [issued(p) for p in itertools.islice(pieces, 1)]
+    generating = [issued(p) for p in held_out.in_order(size, fill=True)]
+    return lambda: _scored(cfg, generating, reward, size, len(held_out))
+
+
+def _scored(cfg: TrainConfig, generating: list, reward, size: int, left: int) -> dict[str, float]:
+    """The metrics of the answers being generated (prompts, future), scored from rank to rank."""
+    scores, sources, lengths, clipped = [], [], [], []
+    scoring = [reward.compute_scores.future(gen) for _, gen in generating]   # from the generating ranks to the reward's
+    for (prompts, gen), scored in zip(generating, scoring):
         out = gen.result() if hasattr(gen, "result") else gen
         real = min(size, left) * cfg.validation.samples      # the rows before the repeats (repeat interleaves)
         left -= size
