@@ -415,6 +415,11 @@ class WorkerGroup:
         return len(self._hosts.actors)
 
     @property
+    def on_cuda(self) -> bool:
+        """Whether its ranks run on CUDA devices (not a test cluster's GPUs that are only Slurm's count)."""
+        return any(d.startswith("cuda") for d in self._hosts.devices)
+
+    @property
     def elastic(self) -> bool:
         """Whether ranks may join and leave while the run goes on (the worker class's `elastic`)."""
         return self._hosts.elastic

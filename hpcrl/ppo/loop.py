@@ -323,6 +323,11 @@ def ppo(ctx: RunContext) -> str | None:
             weights.version = resumed.state.get("policy_version", start if start > cfg.optim.critic_warmup else 0)
             lookahead.resume(start, resumed.inflight)
             weights.send(weights.version)
+        # a resumed run's trainers load their compiled layers (cached by the earlier start) on made-up batches
+        # while the rollout generates the first batch; their first real calls queue behind. Not on a first start:
+        # compiling cold on made-up sizes took longer than the first step's own compiles (an H100: 41 s vs 27 s)
+        ahead = [wg.compile_ahead.future() for wg in (actor, critic, ref)
+                 if wg and start > 0 and cfg.engine.compile and wg.on_cuda]
         # the score before training: issued behind the first step's generation, collected after the first
         # update, so that a rollout role of its own answers it while the actor trains (with the first weights)
         score_before = ctx.held_out is not None and cfg.validation.before_train and start == 0
@@ -393,6 +398,9 @@ def ppo(ctx: RunContext) -> str | None:
             if before_train:
                 ctx.log({"step": 0, "time": round(time.time(), 3), **before_train()})
                 before_train = None
+            for f in ahead:      # done long since: a failure is said here
+                f.result()
+            ahead = []
             ctx.log(record)
             bar(record)
 

@@ -388,3 +388,35 @@ def test_megatron_full_recompute_takes_the_same_steps_in_less_memory(model_dir, 
     m = batch["response_mask"].bool()
     assert rel(recomputed["logp"][m], plain["logp"][m]) < 1e-2
     assert recomputed["peak"] < 0.8 * plain["peak"], (recomputed["peak"], plain["peak"])
+
+
+def test_compiling_ahead_changes_nothing_and_leaves_the_first_steps_nothing_to_compile(model_dir, batch):
+    """TorchTrainer.compile_ahead on the made-up batches of a run of these sizes (made_up_batches): the
+    weights, AdamW's state and the schedule stay as they were, no gradient is left; then the real
+    forward without gradients and the real update, at sizes neither made-up batch had, compile no graph."""
+    from torch._dynamo.utils import counters
+
+    from hpcrl.controller.batch import Batch
+    from hpcrl.engines.train.torch_trainer import OptimConfig, TorchTrainer
+    from hpcrl.models import load_causal_lm, log_probs_head
+    from hpcrl.ppo.config import TrainConfig
+    from hpcrl.ppo.roles.common import made_up_batches
+
+    cfg = TrainConfig.parse({"data": {"max_prompt_length": 48}, "rollout": {"max_new_tokens": 32},
+                             "optim": {"mini_batch_size": 8, "micro_batch_size": 4}})
+    trainer = TorchTrainer(load_causal_lm(model_dir), OptimConfig(lr=1e-4, micro_batch_size=4, grad_clip=1e9),
+                           log_probs_head(1.0, True, compile=True), "cuda", "bf16")
+    before = {k: v.clone() for k, v in trainer.module.state_dict().items()}
+    for made in made_up_batches(cfg):
+        trainer.compile_ahead(made, 4, trained=("log_probs",))
+    assert all(torch.equal(v, before[k]) for k, v in trainer.module.state_dict().items())
+    assert all(p.grad is None for p in trainer.module.parameters())
+    assert not trainer.optimizer.state and trainer.scheduler.last_epoch == 0
+
+    real = Batch({k: v[:, :48 + 24] if k in ("input_ids", "attention_mask") else v[:, :24] if v.dim() == 2 and k != "prompt_mask"
+                  else v for k, v in batch.tensors.items()})        # 24 response tokens: a size not made up
+    counters.clear()
+    trainer.infer(real, 4)
+    loss = lambda out, mb, tokens, seqs: (-(out["log_probs"] * mb["advantages"] * mb["response_mask"]).sum() / tokens, {})  # noqa: E731
+    trainer.train_step(real, loss)
+    assert counters["stats"]["unique_graphs"] == 0, dict(counters["stats"])

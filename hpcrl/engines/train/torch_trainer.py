@@ -109,7 +109,8 @@ class TorchTrainer:
             self.wrapped = torch.nn.parallel.DistributedDataParallel(module)
         else:
             self.wrapped = module
-        if compile and self.device.type == "cuda" and not self.sharded:
+        self.compiled = compile and self.device.type == "cuda" and not self.sharded
+        if self.compiled:
             # in place: parameter names and state dicts stay as they are. Not under FSDP2, whose hooks
             # the compiled layer would have to trace (untested here, where one GPU is all there is).
             # A checkpointed layer's call (transformers' GradientCheckpointingLayer) checkpoints this
@@ -144,6 +145,26 @@ class TorchTrainer:
         width = batch["responses"].shape[1] if "responses" in batch else 0
         outs = [pad_responses(self._run(self.module, mb), width) for mb in micro]
         return Batch({k: torch.cat([o[k] for o in outs]).float().cpu() for k in outs[0]})
+
+    def compile_ahead(self, batch: Batch, micro_batch_size: int, micro_batch_tokens: int = 0,
+                      trained: tuple[str, ...] = ()) -> None:
+        """The compiled layers' calls of `infer` and of `train_step` made on `batch` (made-up tokens of the
+        run's sizes) ahead of the real ones, so that a new process compiles them while it would wait (for
+        the rollout's first batch). The training forward's backward runs too, from the outputs `trained`
+        (those the loss differentiates: each makes a backward of its own kind), its gradients then dropped:
+        the weights, the optimizer's state and its schedule stay as they were. Nothing where no layer is
+        compiled (the CPU, FSDP2)."""
+        if not self.compiled:
+            return
+        self.infer(batch, micro_batch_size, micro_batch_tokens)
+        if self.cfg is None or not trained:
+            return
+        self.wrapped.train()
+        for mb in micro_batches(batch, self.cfg.micro_batch_size, self.cfg.micro_batch_tokens, self.sharded,
+                                self.device, self.pack):
+            out = self._run(self.wrapped, mb)
+            sum(out[k].float().sum() for k in trained).backward()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def train_step(self, batch: Batch, loss_fn: Callable, mask_key: str = "response_mask") -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch (every rank must hold the same

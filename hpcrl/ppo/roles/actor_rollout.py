@@ -12,11 +12,11 @@ from hpcrl.controller.batch import Batch, Weights
 from hpcrl.controller.device_weights import DeviceWeights, Placement, shares_gpu
 from hpcrl.controller.weight_transport import Ticket, WeightGroup, WeightGroupError
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.roles.common import ModelRole, local_share, make_train_engine, ppo_updates, seed_all
+from hpcrl.ppo.roles.common import CompilesAhead, ModelRole, local_share, make_train_engine, ppo_updates, seed_all
 from hpcrl.ppo.roles.rollout import Generates, make_rollout_engine
 
 
-class ActorRollout(Generates, Checkpointed, ModelRole, Worker):
+class ActorRollout(Generates, Checkpointed, CompilesAhead, ModelRole, Worker):
     """The policy; it also generates unless the job runs a separate `rollout` role."""
     shares_device = True
     weights_to: WeightGroup | None = None    # rank 0: the group it sends the weights to a rollout role by
@@ -99,6 +99,9 @@ class ActorRollout(Generates, Checkpointed, ModelRole, Worker):
             self.weights_to = None
             return f"broken: {e}"
         return "sent"
+
+    def trained_outputs(self) -> tuple[str, ...]:
+        return ("log_probs", "entropy") if self.cfg.algorithm.entropy_coef else ("log_probs",)
 
     def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
         algorithm, mask, logp, ent = self.cfg.algorithm, mb["response_mask"], out["log_probs"], out["entropy"]

@@ -6,10 +6,10 @@ from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.roles.common import ModelRole, local_share, make_train_engine, ppo_updates, seed_all
+from hpcrl.ppo.roles.common import CompilesAhead, ModelRole, local_share, make_train_engine, ppo_updates, seed_all
 
 
-class Critic(Checkpointed, ModelRole, Worker):
+class Critic(Checkpointed, CompilesAhead, ModelRole, Worker):
     def __init__(self, model_dir: str, cfg: TrainConfig):
         self.cfg = cfg
         seed_all(self.cfg.seed + 7919 + self.rank)
@@ -25,6 +25,9 @@ class Critic(Checkpointed, ModelRole, Worker):
     def update_critic(self, batch: Batch) -> dict:
         step = int(batch.meta.get("step", 0))
         return ppo_updates(self.engine, batch, self.cfg, self.world_size, [self.cfg.seed, step, self.rank, 2], self._loss)
+
+    def trained_outputs(self) -> tuple[str, ...]:
+        return ("values",)
 
     def _loss(self, out: dict, mb: Batch, total_tokens: float, total_seqs: float):
         mask = mb["response_mask"]

@@ -5,10 +5,10 @@ from hpcrl.checkpoint.role import Checkpointed
 from hpcrl.controller import Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.roles.common import ModelRole, make_train_engine
+from hpcrl.ppo.roles.common import CompilesAhead, ModelRole, make_train_engine
 
 
-class Reference(Checkpointed, ModelRole, Worker):
+class Reference(Checkpointed, CompilesAhead, ModelRole, Worker):
     frozen = elastic = True     # a new rank loads the same initial policy
 
     def __init__(self, model_dir: str, cfg: TrainConfig):
