@@ -13,11 +13,12 @@ from conftest import ROOT, job_finished, kill_dead, slurm_log, submit, wait_unti
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events
 
-STEPS = 220
-"""In a 300-step run (seed 1) the calls were learned by step 100 (last-20 mean 0.99) and the answers'
-reward, last-20 mean, reached 0.3 at step 180 and plateaued from step 210 (0.46 at 220, 0.51 at 300).
-Where the env process dies changes the run from there: killed after step 24, the answers' reward
-(20-step means) rose 0.07, 0.09, 0.12, ... 0.24, 0.27 and was 0.296 over steps 201-220, still rising."""
+STEPS = 140
+"""jobs/tiny-cpu-tools.yaml (32 prompts a step, 4 episodes each) with hpcrl run --local, seeds 1-6: the
+share of episodes that call was 0.19-0.32 over steps 1-10 and 0.98-0.99 over 21-40; the answers' reward
+0.08-0.10 over steps 1-10 and 0.57, 0.30, 0.73, 0.73, 0.42, 0.46 over 121-140. With 16 prompts a step it
+was 0.19-0.60 over steps 201-220 of five seeds, and 0.21 on the cluster once: too close to guessing for a
+test of learning."""
 
 
 @pytest.mark.slurm
@@ -52,8 +53,8 @@ def test_the_tool_using_hetjob_learns_and_goes_on_after_its_environment_is_kille
     def mean(rs, key):
         return float(np.mean([r[key] for r in rs if key in r]))
     # it learns to call (the call's reward) and to answer with what the calculator said: the answers'
-    # reward (the call's is env/reward) from guessing (about 0.07) to well above it
+    # reward (the call's is env/reward) from guessing (about 0.08) to three times that and more
     assert mean(first, "env/tool_calls") < 0.5 and mean(last, "env/tool_calls") > 0.95
-    assert mean(last, "reward/mean") > max(0.25, mean(first, "reward/mean") + 0.15), \
+    assert mean(last, "reward/mean") > max(0.22, mean(first, "reward/mean") + 0.12), \
         (mean(first, "reward/mean"), mean(last, "reward/mean"))
     assert all(r["env/turns"] <= 2 for r in records) and mean(last, "env/turns") > 1.9
