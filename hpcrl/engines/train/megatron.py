@@ -240,13 +240,13 @@ class MegatronEngine:
         return box[0]
 
     # --- the engine interface
-    @torch.no_grad()
     def compile_ahead(self, batch: Batch, micro_batch_size: int, micro_batch_tokens: int = 0,
                       trained: tuple[str, ...] = ()) -> None:
         """TorchTrainer.compile_ahead's forward without gradients (`infer`); the training call's compile is
         left to the first update here (megatron's schedule runs the backward and the step together)."""
         self.infer(batch, micro_batch_size, micro_batch_tokens)
 
+    @torch.no_grad()
     def infer(self, batch: Batch, micro_batch_size: int, micro_batch_tokens: int = 0) -> Batch:
         """micro_batch_tokens is not taken: the pipeline schedule sends tensors of one shape
         between stages (TrainConfig refuses it with megatron)."""
