@@ -90,7 +90,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)     # before xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """Run side by side by pytest-xdist (`-n 3 --dist loadgroup`, as .ci/run): the exclusive tests go to
+    """Run side by side by pytest-xdist (`-n 2 --dist loadgroup`, as .ci/run): the exclusive tests go to
     one worker, first, one after another, while the other workers start on the tests that need no
     cluster (a test of the cluster waits for its turn, _cluster_turn); the tests of a module whose
     own module- or session-scoped fixture makes a run go to one worker, so that it runs once. The
