@@ -29,6 +29,8 @@
 # travels as the parts of `python bench/gpu_carry.py pack` (three calls, one part each: carry [".carry/K"]); every
 # call runs `bash bench/gpu_run.sh slurm`: the first installs and starts the cluster (and a hetjob on the GPU),
 # the last starts the bench in the background (it outlasts a call), each later one waits for it and collects.
+# SLURM_BENCH_ARGS go to bench/gpu_slurm.py: "--stages modes --mode-steps 120 --val-every 20" runs the GRPO hetjob
+# in each pipeline mode (off, one_step_off, async with partial rollouts) instead.
 # startup: the same carry and calls (`bash bench/gpu_run.sh startup`), for the start's table before and after a
 # change: bench/gpu_slurm.py's learn stage (first start, preemption, requeue) of a base commit's tree (.gpubase/,
 # git-ignored, carried beside the part: `git archive REF | tar -x -C .gpubase`) and of the checkout, in turns, PAIRS

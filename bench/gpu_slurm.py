@@ -19,6 +19,10 @@ In order, each alone on the machine:
    is warm (status.json), the critic's process is killed (SIGKILL): its group is rebuilt on its node's GPU
    and the step completes.
 4. observe: `hpcrl status`, `logs` and `report` of the learn run, their output kept in WORK/observe/.
+5. modes (not in the default stages): the GRPO spec through Slurm for --mode-steps steps in each of
+   `train.rollout.pipeline` off, one_step_off and async (partial_rollout: continue, --segment tokens a
+   call, max_staleness 2), one after the other: held-out accuracy against training time, wall time per
+   step, and the off-policy gap (`rollout/log_prob_diff`) by `policy/lag`.
 """
 from __future__ import annotations
 
@@ -149,11 +153,11 @@ def bare_driver(run: Path, nodes: list) -> int:
 class Job:
     """A run submitted as a user submits it, followed through its files and scontrol."""
 
-    def __init__(self, name: str, kind: str, args, steps: int):
+    def __init__(self, name: str, kind: str, args, steps: int, extra: tuple[str, ...] = ()):
         self.run = args.work / name
         subprocess.run(["rm", "-rf", str(self.run)], check=True)
         self.submitted = time.time()
-        out = hpcrl("submit", str(SPECS[kind]), "--run-dir", str(self.run), *overrides(args, steps, kind))
+        out = hpcrl("submit", str(SPECS[kind]), "--run-dir", str(self.run), *overrides(args, steps, kind), *extra)
         self.job_id = json.loads((self.run / "job.json").read_text())["job_id"]
         self.steps, self.running_at = steps, None
         say(f"{name}: job {self.job_id} submitted ({out.stdout.strip().splitlines()[-1]})")
@@ -282,6 +286,35 @@ def run_kill(args, rng: random.Random) -> dict:
             "steps_done": len(steps), "steps_unique": steps == list(range(1, len(steps) + 1)), "records": recs}
 
 
+MODES = {"off": (), "one_step_off": ("train.rollout.pipeline=one_step_off",),
+         "async": ("train.rollout.pipeline=async", "train.rollout.max_staleness=2", "train.rollout.partial_rollout=continue")}
+
+
+def run_modes(args) -> dict:
+    """The GRPO spec in each pipeline mode, each alone on the machine (5. in the module's docstring)."""
+    from hpcrl.observe.metrics import score_over_training_time
+
+    out = {}
+    for mode, extra in MODES.items():
+        extra = (*extra, f"train.rollout.segment_tokens={args.segment}") if mode == "async" else extra
+        job = Job(f"mode-{mode}", "grpo", args, args.mode_steps, extra)
+        states = job.follow(args.timeout)
+        recs = [r for r in records(job.run) if "reward/mean" in r]
+        gap: dict[int, list[float]] = {}
+        for r in recs:
+            if r.get("rollout/log_prob_diff") is not None:
+                gap.setdefault(r["policy/lag"], []).append(r["rollout/log_prob_diff"])
+        out[mode] = {"states": states, "steps_done": len(recs), "trained_s": round(sum(map(train_seconds, recs)), 1),
+                     "wall_per_step_s": round(statistics.median(wall_times(recs, args.compare_from, args.mode_steps)), 4),
+                     "held_out": score_over_training_time(records(job.run)),
+                     "log_prob_diff_by_lag": {lag: round(statistics.mean(v), 5) for lag, v in sorted(gap.items())},
+                     "response_length": round(statistics.mean(r["response_length/mean"] for r in recs), 2),
+                     **({"versions_per_response": round(statistics.mean(r["rollout/versions_per_response"] for r in recs), 3)}
+                        if mode == "async" else {})}
+        say(f"modes: {mode} {({k: v for k, v in out[mode].items() if k != 'held_out'})}")
+    return out
+
+
 def start_phases(evs: list[dict]) -> list[dict]:
     """Each start's phases (hpcrl/observe/startup.py's `starts`), JSON-ready."""
     from hpcrl.observe.startup import starts
@@ -354,7 +387,9 @@ def main() -> int:
     ap.add_argument("--kill-steps", type=int, default=20)
     ap.add_argument("--val-every", type=int, help="held-out validation every N steps (default: the spec's; none with --cpu)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a job may take")
-    ap.add_argument("--stages", default="bare,learn,kill,observe")
+    ap.add_argument("--mode-steps", type=int, default=120, help="steps of each run of the modes stage")
+    ap.add_argument("--segment", type=int, default=16, help="the modes stage's async run: tokens a call")
+    ap.add_argument("--stages", default="bare,learn,kill,observe", help="of bare, learn, kill, observe, modes")
     ap.add_argument("--bare-driver", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--nodes", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -378,6 +413,8 @@ def main() -> int:
             result["kill"] = run_kill(args, rng)
         elif stage == "observe":
             result["observe"] = observe(Path(result["learn"]["run_dir"]), args.work / "observe")
+        elif stage == "modes":
+            result["modes"] = run_modes(args)
         result.setdefault("stage_seconds", {})[stage] = round(time.time() - t0, 1)
         partial.write_text(json.dumps(result, indent=1))
     if "bare" in result and "learn" in result:

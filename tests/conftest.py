@@ -429,10 +429,10 @@ a loaded machine can change between two runs whose training is bitwise the same 
 
 
 def comparable(records):
-    """Metrics records without what depends on the clock (when, how long, how fast); the NOISE metrics
-    to 5 decimals."""
+    """Metrics records without what depends on the clock (when, how long, how fast, how far an
+    asynchronous rollout had got: buffer/); the NOISE metrics to 5 decimals."""
     return [{k: (round(v, 5) if k in NOISE and v is not None else v) for k, v in r.items()
-             if k != "time" and not k.startswith(("timing/", "throughput/"))} for r in records]
+             if k != "time" and not k.startswith(("timing/", "throughput/", "buffer/"))} for r in records]
 
 
 def plot_pixels_seen_by_chromium(html: Path, shot: Path) -> int:

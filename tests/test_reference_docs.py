@@ -82,8 +82,8 @@ def training_settings(held_out) -> dict[str, dict]:
              "progress": False, "save_every": 1}
     return {"ppo": {**small, "colocate": [list(ROLES["ppo"])[:-1]], "val_dataset": str(held_out), "val_every": 2,
                     "val_before_train": True,
-                    # a rollout role of its own, asynchronous: the buffer/ metrics
-                    "rollout": {"own_role": True, "pipeline": "async"},
+                    # a rollout role of its own, asynchronous with partial rollouts: the buffer/ metrics
+                    "rollout": {"own_role": True, "pipeline": "async", "partial_rollout": "continue", "segment_tokens": 2},
                     "rewards": [{"role": "reward"},
                                 {"role": "rule_engine", "method": "compute_rule_score", "weight": 0.5}]},
             "grpo": {**small, "colocate": [list(ROLES["grpo"])], "advantage": "grpo", "n_samples": 2, "kl_coef": 0.0,

@@ -26,7 +26,8 @@ import torch
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch, object_array
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.episodes import assemble, Episode, left_padded
+from hpcrl.ppo.data import left_padded
+from hpcrl.ppo.episodes import assemble, Episode
 from hpcrl.ppo.roles.rollout import step_seed
 from hpcrl.serving.keys import episode_key
 

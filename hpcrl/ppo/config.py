@@ -71,6 +71,9 @@ class DataSettings(Settings):
     answered "82", with environment.cls hpcrl.ppo.tasks.tool_sums:SumsEnvironment a calculator to call)"""
     task_digits: PositiveInt = 2
     """built-in task: digits per number"""
+    task_digits_sigma: Annotated[float, Field(ge=0)] = 0.0
+    """built-in copy task: 0, every prompt has task_digits digits; > 0, each prompt's count is drawn from a
+    lognormal of median task_digits and this σ (at most 10 × task_digits): responses of long-tailed lengths"""
     task_prompts: PositiveInt = 4096
     """built-in task: distinct prompts generated"""
 
@@ -217,6 +220,17 @@ class RolloutSettings(Settings):
     weights this many updates newer than the ones that sampled it. async: the bound on that lag
     (a batch trains at most this many updates after the weights that sampled it, less when the
     rollout is the slower side), and the buffer's depth: batches drawn ahead of the one in training"""
+    partial_rollout: Literal["finish", "continue"] = "finish"
+    """pipeline: async, a response the rollout is generating when new weights arrive. "finish": each
+    batch is generated whole with the weights it started with (the new ones are loaded before the
+    next), so the batch takes as long as its longest response. "continue": the rollout generates
+    `segment_tokens` at a time; the responses not finished go on in its next call, with whatever
+    weights arrived meanwhile, beside the new prompts, so that the longest ones hold nothing up. Each token
+    keeps the version and log-prob that sampled it (the correction of algorithm.tis_cap, mis_band); a
+    group trains once all its responses are done, in the order groups finish. max_staleness bounds the
+    prompts drawn ahead; a response that goes on over several calls may have first tokens older than that"""
+    segment_tokens: PositiveInt = 16
+    """partial_rollout: continue: tokens per response per call of the rollout"""
     release_memory: bool = False
     """a rollout engine in a trainer's process (actor_rollout, own_role false) gives its GPU memory
     back after each generation (its copy of the weights, its KV cache, CUDA graphs), so that scoring
@@ -229,6 +243,9 @@ class RolloutSettings(Settings):
     def _combinations(self):
         if self.tensor_parallel > 1 and self.engine != "vllm":
             raise ValueError(f"tensor_parallel: {self.tensor_parallel} needs engine: vllm (or tensor_parallel: 1)")
+        if self.partial_rollout == "continue" and self.pipeline != "async":
+            raise ValueError("partial_rollout: continue goes on with responses across the rollout's calls of pipeline: "
+                             "async; set pipeline: async, or partial_rollout: finish")
         if self.pipeline != "off" and not self.own_role:
             raise ValueError(f"pipeline: {self.pipeline} overlaps a separate rollout role with the trainers; set "
                              "own_role: true (and give roles.rollout its nodes), or pipeline: off")
@@ -697,6 +714,9 @@ class TrainConfig(Settings):
                                                   for g in self.layout.colocate):
             p.append(f"rollout.pipeline: {self.rollout.pipeline}, but layout.colocate puts rollout in actor_rollout's "
                      "processes, where the two cannot run at once; place rollout apart, or pipeline: off")
+        if self.data.task_digits_sigma and (self.data.task != "copy_digits" or self.data.dataset):
+            p.append(f"data.task_digits_sigma: {self.data.task_digits_sigma} spreads the built-in copy task's lengths; "
+                     "set it to 0 with data.dataset or data.task: tool_sums")
         if self.rollout.pipeline == "async" and self.environment.multi_turn:
             p.append("rollout.pipeline: async generates on a thread of the driver, but multi-turn episodes "
                      "(environment.cls, environment.agent) are made on the driver's own; use pipeline: one_step_off")

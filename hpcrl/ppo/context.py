@@ -245,7 +245,7 @@ class RunContext:
         state = dict(state)
         self.dataset.load_state_dict(state.pop("dataset"))
         self.metrics.truncate(state.pop("metrics_bytes"))   # steps after the checkpoint are done again
-        ahead = [b.meta.get("step") for b in inflight]
+        ahead = [b.meta["step"] for b in inflight if "step" in b.meta]     # (partial rollouts keep rows, not batches)
         print(f"{log_stamp()} resumed from checkpoint step {step} ({RunDir(self.run_dir).ckpt}): "
               f"{size_rate(nbytes, time.perf_counter() - t0, 'read')}"
               + (f"; batches of steps {ahead} were generated ahead" if ahead else ""), flush=True)

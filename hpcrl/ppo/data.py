@@ -141,12 +141,6 @@ class PromptDataset:
     def batch(self, picked: list[int]) -> Batch:
         """Left-padded prompt ids (every prompt ends where the response starts) and the rows' fields."""
         ids = [self.ids[i] for i in picked]
-        width = max(map(len, ids))
-        prompt = torch.full((len(ids), width), self.tokenizer.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, seq in enumerate(ids):
-            prompt[i, width - len(seq):] = torch.tensor(seq)
-            mask[i, width - len(seq):] = 1
         rows = [self.rows[i] for i in picked]
         fields = [reward_fields(r) for r in rows]
         names = sorted({k for f in fields for k in f})
@@ -154,7 +148,7 @@ class PromptDataset:
                   "prompt": object_array([r["prompt"] if "prompt" in r else self.tokenizer.decode(seq)
                                       for r, seq in zip(rows, ids)]),
                   **{k: object_array([f.get(k) for f in fields]) for k in names}}
-        return Batch({"prompt_ids": prompt, "prompt_mask": mask}, arrays)
+        return left_padded(ids, self.tokenizer.pad_id).union(Batch(arrays=arrays))
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset}
@@ -162,3 +156,13 @@ class PromptDataset:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
+
+def left_padded(ids: list[list[int]], pad_id: int, meta: dict | None = None) -> Batch:
+    """Token id sequences as prompt_ids/prompt_mask, left-padded: every one ends where the next token goes."""
+    width = max(map(len, ids))
+    prompt = torch.full((len(ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for k, seq in enumerate(ids):
+        prompt[k, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        mask[k, width - len(seq):] = 1
+    return Batch({"prompt_ids": prompt, "prompt_mask": mask}, meta=meta)

@@ -29,6 +29,7 @@ import torch
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch, object_array
 from hpcrl.ppo.config import TrainConfig
+from hpcrl.ppo.data import left_padded
 
 
 class Episodes:
@@ -132,16 +133,6 @@ class Episode:
         self.tokens += seen
         self.model += [0] * len(seen)
         self.logp += [0.0] * len(seen)
-
-
-def left_padded(contexts: list[list[int]], pad_id: int, meta: dict) -> Batch:
-    width = max(map(len, contexts))
-    ids = torch.full((len(contexts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long)
-    for k, seq in enumerate(contexts):
-        ids[k, width - len(seq):] = torch.tensor(seq, dtype=torch.long)
-        mask[k, width - len(seq):] = 1
-    return Batch({"prompt_ids": ids, "prompt_mask": mask}, meta=meta)
 
 
 def assemble(ep: list[Episode], prompts: Batch, width: int, pad_id: int, meta: dict) -> Batch:

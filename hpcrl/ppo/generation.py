@@ -7,6 +7,9 @@ of the built-in loop (hpcrl/ppo/loop.py).
     Producer     `pipeline: async`: the same buffer, filled by a thread that gives the rollout its
                  next batch the moment it has finished the one before, so it samples with the
                  newest weights and never waits for an update while the buffer has room
+    SegmentedProducer  the same with `partial_rollout: continue`: the thread's calls go a segment
+                 of tokens at a time, responses not finished going on in the next call beside new
+                 prompts (hpcrl/ppo/partial_rollouts.py), and whole groups make the batches
     WeightSync   the actor's weights to the engine that generates: the rollout role's (sent as a
                  future its next generation waits behind; by CUDA IPC, a collective group or Ray's
                  object store) or the actor's own, and again after either role is rebuilt or resized
@@ -27,6 +30,7 @@ from hpcrl.controller.batch import Batch
 from hpcrl.controller.device_weights import shares_gpu
 from hpcrl.controller.weight_transport import Rendezvous, Ticket, backend_for, node_address
 from hpcrl.ppo.config import RolloutSettings
+from hpcrl.ppo.partial_rollouts import Row, absorb, continuation, rows_of, to_batch
 
 
 @dataclasses.dataclass
@@ -238,6 +242,191 @@ class Producer:
             return g.generated is not None
         refs = g.generated.refs
         return len(ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)[0]) == len(refs)
+
+
+class SegmentedProducer(Producer):
+    """`pipeline: async` with `partial_rollout: continue`. The driver's thread draws prompts into a
+    pool, as many groups ahead of the one in training as `bound` batches hold (the rows of a group:
+    its n_samples responses); a thread of its own gives the rollout every row of the pool for
+    `segment` tokens each (the longest responses no longer hold a batch up: each call decodes every
+    response in the making, the new ones beside those going on), and when the call is back takes each
+    row's segment (hpcrl/ppo/partial_rollouts.py): rows not done go back to the pool, a group whose
+    rows are all done joins the whole ones. A step's batch is the first data.batch_size whole groups,
+    in the order they were done. Nothing is thrown away: a response that goes on over several calls
+    while the trainer updates may be older than `bound` updates by its first tokens (policy/lag/<lag>
+    counts it; each token's own log-prob is what the importance correction divides by).
+
+    A checkpoint keeps the rows as they were before the call in flight (that call is made again on
+    resume, with its seed), so what it holds agrees with the data cursor of the same step."""
+
+    def __init__(self, dataset, generate: Callable, early: list, n_samples: int, bound: int, total_steps: int, *,
+                 segment: int, max_new_tokens: int, pad_id: int):
+        super().__init__(dataset, generate, early, n_samples, bound, total_steps)
+        self.segment, self.max_new_tokens, self.pad_id = segment, max_new_tokens, pad_id
+        self.groups_per_batch = dataset.batch_size
+        self.pool: list[Row] = []              # rows waiting for a call: those going on first, then new ones
+        self.calling: list[Row] = []           # the rows of the call in flight, as they were before it
+        self.partial: dict[int, list[Row]] = {}    # group -> its rows done, while others are not
+        self.whole: list[list[Row]] = []       # groups all of whose rows are done, in the order they were
+        self.open = 0                          # groups drawn and not taken
+        self.calls = 0                         # calls made: each one's number is its seed's
+        self.inflight = None                   # the GroupFuture of the call in flight
+        self.failed: tuple[list[Row], object] | None = None      # a call a rank died in, for the driver to make again
+        self.error: BaseException | None = None
+
+    def resume(self, step: int, inflight: list[Batch]) -> None:
+        """Continue with the rows a checkpoint kept (one batch of them: hpcrl/checkpoint/inflight.py)."""
+        for kept in inflight:
+            self.calls, self.drawn = kept.meta["calls"], kept.meta["drawn"]
+            for row in rows_of(kept):
+                if row.done:
+                    self._done_row(row)
+                else:
+                    self.pool.append(row)
+            self.open = len({int(g) for g in kept["group"]})
+
+    def take(self, step: int) -> Generation:
+        """The step's batch: the first data.batch_size whole groups, after drawing up to `bound` batches'
+        groups ahead; early scoring issued on it."""
+        per_batch = self.groups_per_batch
+        with self.changed:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                while self.open < (1 + min(self.bound, self.total_steps - step)) * per_batch:
+                    self._draw()
+                if len(self.whole) >= per_batch:
+                    break
+                self._wait()
+            groups, self.whole = self.whole[:per_batch], self.whole[per_batch:]
+            self.open -= per_batch
+            self.depth = 1 + len(self.whole) // per_batch
+        batch = to_batch([r for g in groups for r in g], self.max_new_tokens, self.pad_id, {"step": step})
+        batch.pop("done")
+        batch.meta["policy_version"] = int(batch["policy_version"].min())
+        return Generation(step, batch, [m.future(batch) for m in self.early])
+
+    def steps(self) -> list[int]:
+        """The number of the rollout's call in flight (none: [])."""
+        return [self.calls] if self.calling else []
+
+    def held(self) -> Callable[[], list[Batch]]:
+        """The rows now (those of the call in flight as they were before it), to write as one batch."""
+        with self.changed:
+            rows = [r for g in self.whole for r in g] + [r for g in self.partial.values() for r in g] + \
+                self.calling + [_copy(r) for r in self.pool]
+            meta = {"calls": self.calls - bool(self.calling), "drawn": self.drawn}
+        return lambda: [to_batch(rows, self.max_new_tokens, self.pad_id, meta)] if rows else []
+
+    def _draw(self) -> None:
+        """The dataset's next prompts into the pool (under the lock, on the driver's thread: the data
+        cursor a checkpoint records counts them)."""
+        self.drawn += 1
+        prompts = next_prompts(self.dataset, self.n_samples, self.drawn)
+        if "group" not in prompts:          # one response a prompt: each its own group
+            prompts["group"] = np.arange(len(prompts)) + self.drawn * len(prompts)
+        self.pool += rows_of(prompts)
+        self.open += self.groups_per_batch
+        self.changed.notify_all()
+        if self.thread is None and self.failed is None:
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        self.thread = threading.Thread(target=self._produce, name="hpcrl-producer", daemon=True)
+        self.thread.start()
+
+    def _done_row(self, row: Row) -> None:
+        group = int(row.fields["group"])
+        done = self.partial.setdefault(group, [])
+        done.append(row)
+        if len(done) == self.n_samples:
+            self.whole.append(self.partial.pop(group))
+
+    def _produce(self) -> None:
+        """The thread: every row of the pool to the rollout for a segment, then their tokens taken in.
+        A call that failed (a rank died) goes to the driver's thread, which rebuilds the role and calls
+        again (`take`), and the thread ends until then."""
+        while True:
+            with self.changed:
+                while not self.pool and not self.closed:
+                    self.changed.wait()
+                if self.closed:
+                    return
+                rows, self.pool = self.pool, []
+                self.calling = [_copy(r) for r in rows]
+                self.calls += 1
+                prompts = continuation(rows, self.pad_id)
+                prompts.meta.update(step=self.calls, segment=min(self.segment, max(self.max_new_tokens - len(r.tokens)
+                                                                                   for r in rows)))
+                if self.last_done is not None:
+                    self.idle += time.monotonic() - self.last_done
+                try:
+                    self.inflight = self.generate(prompts)
+                except BaseException as e:      # said by the driver's next take
+                    self.error = e
+                    self.changed.notify_all()
+                    return
+            future = self.inflight
+            while not self.closed and not self._answered(future):
+                pass
+            if self.closed:
+                return
+            try:
+                ray.get(future.refs)
+            except Exception:       # (the refs of the call made again, where the driver's wait found it hung)
+                with self.changed:
+                    self.failed, self.thread = (rows, future), None
+                    self.changed.notify_all()
+                return
+            self.last_done = time.monotonic()
+            self._absorb(rows, future.result())
+
+    def _absorb(self, rows: list[Row], out: Batch) -> None:
+        """A call's segments into its rows; the rows done to their groups, the others back to the pool."""
+        with self.changed:
+            absorb(rows, out, int(out.meta.get("policy_version", 0)), self.max_new_tokens)
+            going_on = []
+            for row in rows:
+                if row.done:
+                    self._done_row(row)
+                else:
+                    going_on.append(row)
+            self.pool = going_on + self.pool
+            self.calling, self.inflight = [], None
+            self.changed.notify_all()
+
+    def _wait(self) -> None:
+        """The driver's thread, while the step's groups are not whole (under the lock): a call that failed
+        made again here; a call in flight waited on with its deadline (hung ranks: their group rebuilt and
+        the call made again, which the thread then waits on); else until the thread says something."""
+        if self.failed is not None:
+            (rows, future), self.failed = self.failed, None
+            self.changed.release()
+            try:
+                out = future.result()       # the role rebuilt, the call made again
+            finally:
+                self.changed.acquire()
+            self._absorb(rows, out)         # (the lock is reentrant)
+            self._start_thread()
+        elif self.inflight is not None:
+            future = self.inflight
+            self.changed.release()
+            try:
+                future.wait()
+            finally:
+                self.changed.acquire()
+            self.changed.wait(timeout=0.05)      # the thread's turn to take the call in
+        else:
+            self.changed.wait()
+
+    @staticmethod
+    def _answered(future) -> bool:
+        refs = future.refs
+        return len(ray.wait(refs, num_returns=len(refs), timeout=1.0, fetch_local=False)[0]) == len(refs)
+
+
+def _copy(row: Row) -> Row:
+    return dataclasses.replace(row, tokens=list(row.tokens), logps=list(row.logps), versions=list(row.versions))
 
 
 class WeightSync:

@@ -58,7 +58,7 @@ from hpcrl.observe.startup import StartupClock
 from hpcrl.observe.status import RunStatus
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.context import Driver, Inputs, RunContext, weighted_scores
-from hpcrl.ppo.generation import Generation, Lookahead, Producer, WeightSync
+from hpcrl.ppo.generation import Generation, Lookahead, Producer, SegmentedProducer, WeightSync
 from hpcrl.ppo.episodes import episode_scores, turn_rewards
 from hpcrl.ppo.roles import Agents, ActorRollout, Critic, Environments, Judge, Reference, RewardModel, Rollout, RuleReward
 from hpcrl.ppo.roles.judge import judge_key
@@ -79,7 +79,8 @@ def prepare_inputs(cfg: TrainConfig, run_dir: Path) -> tuple[Path, Path]:
         paths.model, tok, cfg.seed, hidden_size=cfg.model.hidden_size, layers=cfg.model.layers, heads=cfg.model.heads)
     prompts = Path(cfg.data.dataset) if cfg.data.dataset else paths.prompts
     if not cfg.data.dataset and not prompts.exists():
-        task.write_prompts(prompts, cfg.data.task_prompts, cfg.data.task_digits, cfg.seed)
+        task.write_prompts(prompts, cfg.data.task_prompts, cfg.data.task_digits, cfg.seed,
+                          **({"sigma": cfg.data.task_digits_sigma} if cfg.data.task_digits_sigma else {}))
     return model_dir, prompts
 
 
@@ -311,8 +312,13 @@ def ppo(ctx: RunContext) -> str | None:
     early = [m for m in weight_free if pipelined and not any(m.wg.shares_processes_with(t) for t in (actor, critic) if t)]
     late = [m for m in weight_free if m not in early] + [actor.compute_log_prob] + ([critic.compute_values] if critic else [])
     buffered = cfg.rollout.pipeline == "async"
-    lookahead = (Producer if buffered else Lookahead)(ctx.dataset, ctx.generate, early, cfg.rollout.n_samples,
-                                                      cfg.rollout.max_staleness if pipelined else 0, cfg.total_steps)
+    ahead_args = (ctx.dataset, ctx.generate, early, cfg.rollout.n_samples, cfg.rollout.max_staleness if pipelined else 0,
+                  cfg.total_steps)
+    if buffered and cfg.rollout.partial_rollout == "continue":
+        lookahead = SegmentedProducer(*ahead_args, segment=cfg.rollout.segment_tokens,
+                                      max_new_tokens=cfg.rollout.max_new_tokens, pad_id=ctx.tokenizer.pad_id)
+    else:
+        lookahead = (Producer if buffered else Lookahead)(*ahead_args)
     ctx.generating = lookahead.steps     # said when a role is rebuilt meanwhile
 
     try:
@@ -344,7 +350,9 @@ def ppo(ctx: RunContext) -> str | None:
                     batch = generation.collect()
                     weights.arrived()               # the weights sent after the last update are in
                 # each sample's: a step's batch and its refills may have been sampled with different weights
-                batch["policy_version"] = torch.full((len(batch),), int(batch.meta.get("policy_version", 0)))
+                # (partial rollouts: each sample's oldest token's, already there)
+                if "policy_version" not in batch:
+                    batch["policy_version"] = torch.full((len(batch),), int(batch.meta.get("policy_version", 0)))
                 with timer("score"):
                     for f in [m.future(source) for m in late]:
                         batch = batch.union(f.result())

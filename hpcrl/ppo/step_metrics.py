@@ -82,6 +82,9 @@ METRICS: dict[str, Metric] = {
                                       "when the step took its batch, that one included (0: the trainer waited for "
                                       "the rollout; `train.rollout.max_staleness` + 1: the rollout waited for the "
                                       "trainer)"),
+    "rollout/versions_per_response": Metric("versions", "`train.rollout.partial_rollout: continue` only: policy versions "
+                                                        "among a response's tokens, mean over the step's responses (1: "
+                                                        "one set of weights sampled each whole)"),
     "rollout/log_prob_diff": Metric("nats per token", "mean |log π_old − log π_rollout| over the response tokens: "
                                                       "the actor's recomputed log-probs against the sampler's "
                                                       "(kernels, precision, stale weights); null when the rollout "
@@ -152,6 +155,11 @@ def explained_variance(values, returns, mask) -> float:
     return float(1 - torch.var(returns[m] - values[m]) / var) if var > 0 else float("nan")
 
 
+def versions_per_response(token_versions: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean number of distinct policy versions among each response's tokens."""
+    return float(np.mean([len(set(v[m.bool()].tolist())) for v, m in zip(token_versions, mask)]))
+
+
 def step_record(step: int, batch: Batch, trained: Batch, terms: list[str], kl: dict, actor: dict, critic: dict | None,
                 trained_with: int, times: dict[str, float], step_s: float, train_s: float, val: dict) -> dict:
     """The metrics of one step (METRICS): from its batch after the updates and the part of it
@@ -183,6 +191,8 @@ def step_record(step: int, batch: Batch, trained: Batch, terms: list[str], kl: d
             **{f"policy/lag/{lag}": float(n / counts.sum()) for lag, n in zip(lags.tolist(), counts)},
             "rollout/log_prob_diff": float(algo.masked_mean((batch["old_log_probs"] - batch["rollout_log_probs"]).abs(),
                                                             mask)) if "rollout_log_probs" in batch else None,
+            **({"rollout/versions_per_response": versions_per_response(batch["token_versions"], mask)}
+               if "token_versions" in batch else {}),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float((~batch["has_eos"]).float().mean()), **val,
             **{k: float(batch[k].float().mean()) for k in batch.tensors if k.startswith("env/")},

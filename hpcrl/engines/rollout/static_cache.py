@@ -205,6 +205,12 @@ class StaticCacheRollout:
         if self.w is None:
             raise RuntimeError("StaticCacheRollout.generate before load_weights")
         b, p = prompt_ids.shape
+        if self.device.type == "cuda" and b < (rounded := 1 << (b - 1).bit_length()):
+            # rows rounded up to a power of two with empty ones (dropped after), so that calls of varying
+            # sizes (partial rollouts: every response in the making) replay a few captured graphs
+            out = self.generate(F.pad(prompt_ids, (0, 0, 0, rounded - b), value=self.pad_id),
+                                F.pad(prompt_mask, (0, 0, 0, rounded - b)), params, seed)
+            return {k: v[:b] for k, v in out.items()}
         steps = min(self.check_every, params.max_new_tokens)
         runs = -(-params.max_new_tokens // steps)
         # the cache's length rounded up, so that batches of slightly different prompt widths replay

@@ -14,7 +14,7 @@ import threading
 from hpcrl.controller import Dispatch, register
 from hpcrl.engines.base import SamplingParams
 from hpcrl.models.tokenizer import load_tokenizer
-from hpcrl.ppo.episodes import left_padded
+from hpcrl.ppo.data import left_padded
 from hpcrl.serving.server import Endpoint
 
 

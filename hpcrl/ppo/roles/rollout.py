@@ -88,13 +88,15 @@ class Generates(ServesEndpoint):
     def generate_sequences(self, prompts: Batch) -> Batch:
         """prompt_ids/prompt_mask -> + responses, response_mask, has_eos, input_ids, attention_mask.
         Sampling is seeded by (seed, step, rank), so a resumed run draws what an uninterrupted one would.
-        meta["validation"]: the held-out prompts, at val_temperature (0: greedy). The output's
+        meta["validation"]: the held-out prompts, at val_temperature (0: greedy); meta["segment"]: at most
+        this many tokens (partial rollouts: the prompts hold the responses so far). The output's
         meta["policy_version"] says which weights sampled it."""
         validation = bool(prompts.meta.get("validation"))
         seed = step_seed(self.cfg.seed, int(prompts.meta.get("step", 0)), self.rank, validation,
                          int(prompts.meta.get("turn", 0)), int(prompts.meta.get("draw", 0)))
         temperature = self.cfg.validation.temperature if validation else self.cfg.rollout.temperature
-        params = SamplingParams(self.cfg.rollout.max_new_tokens, temperature, self.cfg.rollout.top_p, self.cfg.rollout.top_k)
+        params = SamplingParams(int(prompts.meta.get("segment", self.cfg.rollout.max_new_tokens)), temperature,
+                                self.cfg.rollout.top_p, self.cfg.rollout.top_k)
         out = self.rollout.generate(prompts["prompt_ids"], prompts["prompt_mask"], params, seed)
         if self.shares_device:
             self.rollout.sleep()     # vLLM on a GPU: free the engine's memory while the trainer works

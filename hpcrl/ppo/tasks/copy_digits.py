@@ -7,15 +7,21 @@ can ask for the stop token): a uniform random policy over the tokenizer's 14 ids
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
 ALPHABET = "0123456789="
 
 
-def write_prompts(path: Path, n: int, digits: int, seed: int) -> Path:
+def write_prompts(path: Path, n: int, digits: int, seed: int, sigma: float = 0.0) -> Path:
+    """n prompts of `digits` digits, or with sigma > 0 of a lognormal count (median `digits`, at
+    most 10 × digits): a long tail of response lengths."""
     rng = random.Random(seed)
-    lines = [json.dumps({"prompt": "".join(rng.choice("0123456789") for _ in range(digits)) + "="}) for _ in range(n)]
+
+    def count() -> int:
+        return min(max(1, round(digits * math.exp(rng.gauss(0.0, sigma)))), 10 * digits) if sigma else digits
+    lines = [json.dumps({"prompt": "".join(rng.choice("0123456789") for _ in range(count())) + "="}) for _ in range(n)]
     tmp = Path(path).with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
