@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import comparable, run_local
+from conftest import comparable, kill_dead, run_local, start_local_training, wait_until
 
 from hpcrl.checkpoint.inflight import read_inflight
 from hpcrl.controller.batch import Batch, object_array
@@ -16,6 +16,8 @@ from hpcrl.engines.base import SamplingParams
 from hpcrl.engines.rollout.torch_rollout import TorchRollout
 from hpcrl.models import CharTokenizer, create_model_dir, load_causal_lm
 from hpcrl.observe.logs import read_calls
+from hpcrl.observe.metrics import read_metrics
+from hpcrl.observe.status import read_events
 from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.generation import SegmentedProducer
 from hpcrl.ppo.partial_rollouts import Row, absorb, continuation, rows_of, to_batch
@@ -181,3 +183,25 @@ def test_an_async_run_with_partial_rollouts_resumes_its_rows(tmp_path):
     if len(whole) >= cfg.data.batch_size:
         [a], [b] = comparable(resumed[4:5]), comparable(records[4:5])
         assert a == b, {k: (a.get(k), b.get(k)) for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+
+def test_a_rollout_killed_mid_call_is_rebuilt_and_the_call_made_again(tmp_path):
+    """The rollout's process killed while partial rollouts go on (one token a call, so a call is nearly
+    always in flight): the call it was in, or the next one, fails; the driver's thread rebuilds the
+    role, sends it the weights and makes the call again, and the run trains every step."""
+    run, total = tmp_path / "run", 40
+    cfg = TrainConfig(total_steps=total, rollout_role=True, progress=False, save_every=0).updated(
+        data={"task_digits": 3, "task_digits_sigma": 0.8, "batch_size": 8},
+        rollout={"max_new_tokens": 24, "n_samples": 4, "pipeline": "async", "max_staleness": 2,
+                 "partial_rollout": "continue", "segment_tokens": 1},
+        algorithm={"advantage": "grpo", "kl_coef": 0.0}, optim={"mini_batch_size": 32})
+    proc = start_local_training(run, cfg)
+    wait_until(lambda: len(read_metrics(run / "metrics.jsonl")) >= 3 if (run / "metrics.jsonl").exists() else False,
+               300, "3 steps")
+    pid = json.loads((run / "status.json").read_text())["roles"]["rollout"]["ranks"][0]["pid"]
+    kill_dead(pid)
+    assert proc.wait(timeout=600) == 0
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, total + 1))
+    # another process, which the weights reached again (the route chosen anew: a weight_sync event after the first)
+    assert json.loads((run / "status.json").read_text())["roles"]["rollout"]["ranks"][0]["pid"] != pid
+    assert sum(e["event"] == "weight_sync" for e in read_events(run)) >= 2
