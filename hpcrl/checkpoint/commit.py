@@ -20,6 +20,21 @@ from hpcrl.files import STORAGE_ERRNOS, StorageError, free_bytes
 log = logging.getLogger("hpcrl.checkpoint")
 
 
+def every_result(futures: dict) -> dict:
+    """Each future's result (key -> result), once every one has ended; then the first error, if any.
+    A role whose write fails removes its own half-written file, but only while its process lives:
+    a run stopped at the first failure (a full disk refuses every role) would end the others mid-write."""
+    results, first = {}, None
+    for key, f in futures.items():
+        try:
+            results[key] = f.result()
+        except Exception as e:
+            first = first or e
+    if first is not None:
+        raise first
+    return results
+
+
 class RoleCheckpoints:
     """Saves, commits and resumes the roles of one run (`groups`: role -> WorkerGroup); frozen roles
     are written once. A rebuilt role takes back the newer of its snapshot and its file of the newest
@@ -52,8 +67,9 @@ class RoleCheckpoints:
                 continue
             path = self.store.role_path(step, role)
             futures[role] = (path, wg.save_checkpoint.future(str(path), step, background and not self.frozen[role]))
+        written = every_result({role: fut for role, (path, fut) in futures.items()})
         for role, (path, fut) in futures.items():
-            files[role] = {"path": str(path.relative_to(self.store.root)), **fut.result()[0]}
+            files[role] = {"path": str(path.relative_to(self.store.root)), **written[role][0]}
             if self.frozen[role]:
                 self.written[role] = files[role]
         self.pending = (step, files, driver_state, ahead, t0, set(futures), held)
@@ -65,9 +81,9 @@ class RoleCheckpoints:
         if self.pending is None:
             return
         step, files, driver_state, ahead, t0, fresh, held = self.pending
-        for role, info in files.items():
-            if info.pop("pending", False):
-                info.update(self.groups[role].finish_checkpoint())
+        waiting = [role for role, info in files.items() if info.pop("pending", False)]
+        for role, info in every_result({r: self.groups[r].finish_checkpoint.future() for r in waiting}).items():
+            files[role].update(info)
         self.store.commit(step, files, driver_state, ahead)
         self.pending = None
         for role, upto in held.items():
