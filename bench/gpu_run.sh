@@ -30,7 +30,8 @@
 # call runs `bash bench/gpu_run.sh slurm`: the first installs and starts the cluster (and a hetjob on the GPU),
 # the last starts the bench in the background (it outlasts a call), each later one waits for it and collects.
 # SLURM_BENCH_ARGS go to bench/gpu_slurm.py: "--stages modes --mode-steps 120 --val-every 20" runs the GRPO hetjob
-# in each pipeline mode (off, one_step_off, async with partial rollouts) instead.
+# in each pipeline mode (off, one_step_off, async with partial rollouts) instead; MPS=1 (every call) runs the jobs
+# under CUDA's multi-process service.
 # startup: the same carry and calls (`bash bench/gpu_run.sh startup`), for the start's table before and after a
 # change: bench/gpu_slurm.py's learn stage (first start, preemption, requeue) of a base commit's tree (.gpubase/,
 # git-ignored, carried beside the part: `git archive REF | tar -x -C .gpubase`) and of the checkout, in turns, PAIRS
@@ -105,6 +106,11 @@ learn() {
 cluster_up() {
   export HPCRL_SLURM_STATE=/tmp/slurm-state
   [ -d /tmp/carry/debs ] || { echo "the Slurm packages are still to come"; return 1; }
+  # MPS=1: CUDA's multi-process service, so that the jobs' processes on the one GPU run side by side
+  # rather than in turns (started before any of them; the driver's, not the GPU's settings)
+  if [ "${MPS:-}" = 1 ] && ! pgrep -x nvidia-cuda-mps >/dev/null; then
+    nvidia-cuda-mps-control -d && echo "[gpu_run] MPS control daemon started" || return 1
+  fi
   slurm/cluster up --packages /tmp/carry/debs > /tmp/slurm-up.log 2>&1 || { tail -n 14 /tmp/slurm-up.log; return 1; }
   tail -n 3 /tmp/slurm-up.log
   eval "$(slurm/cluster env)"

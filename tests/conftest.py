@@ -281,14 +281,15 @@ def sh(*args: str, check: bool = True) -> str:
     return out.stdout
 
 
-def wait_until(cond, timeout: float, what: str, poll: float = 0.2):
+def wait_until(cond, timeout: float, what: str, poll: float = 0.2, story=None):
+    """`story`, where given, is called on a timeout and its text joins the failure (what the job did)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
         if value:
             return value
         time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f"\n{story()}" if story else ""))
 
 
 def kill_dead(pid: int) -> None:

@@ -244,12 +244,13 @@ def test_an_openai_agent_learns_the_tool_task_on_the_cluster_and_goes_on_after_i
     assert all(r["env/failed"] == 0 for r in records), slurm_log(run)
     def window(key, steps):
         return float(np.mean([r[key] for r in records[steps]]))
+    before = window("env/tool_calls", slice(0, 3))     # steps 1-10 reached 0.56 on a CI run that learned fast
     calls = [window("env/tool_calls", slice(k, k + 10)) for k in range(0, STEPS, 10)]
     reward = [window("reward/mean", slice(0, 10)), window("reward/mean", slice(-10, None))]
-    print(f"tool calls by 10 steps {calls}; reward, first and last 10 steps {reward}")
+    print(f"tool calls, steps 1-3 {before}, by 10 steps {calls}; reward, first and last 10 steps {reward}")
     # it learns to call the calculator, as the built-in environment's run does (tests/test_multi_turn.py),
     # and its reward rises
-    assert calls[0] < 0.5 and max(calls) > 0.9, calls
+    assert before < 0.5 and max(calls) > 0.9, (before, calls)
     assert reward[1] > reward[0] + 0.1, reward
 
 

@@ -54,7 +54,8 @@ def test_the_tool_using_hetjob_learns_and_goes_on_after_its_environment_is_kille
         return float(np.mean([r[key] for r in rs if key in r]))
     # it learns to call (the call's reward) and to answer with what the calculator said: the answers'
     # reward (the call's is env/reward) from guessing (about 0.08) to three times that and more
-    assert mean(first, "env/tool_calls") < 0.5 and mean(last, "env/tool_calls") > 0.95
+    # (the calls before learning: steps 1-3; a run that learns fast calls in half its episodes by step 10)
+    assert mean(records[:3], "env/tool_calls") < 0.5 and mean(last, "env/tool_calls") > 0.95
     assert mean(last, "reward/mean") > max(0.22, mean(first, "reward/mean") + 0.12), \
         (mean(first, "reward/mean"), mean(last, "reward/mean"))
     assert all(r["env/turns"] <= 2 for r in records) and mean(last, "env/turns") > 1.9

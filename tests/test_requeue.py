@@ -193,8 +193,14 @@ def test_submitit_path_checkpoints_on_its_signal_and_resumes(time_limited_jobs):
 
     def logs():
         return "".join(p.read_text(errors="replace") for p in run.rglob("*_log.*"))
+
+    def story():      # CI once timed out here with nothing to tell why: the job's state and its logs' ends
+        return (sh("scontrol", "show", "job", job, check=False) + "\n".join(
+            f"== {p}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(run.rglob("*_log.*"))))
     try:
-        wait_until(lambda: "resumed from checkpoint step" in logs(), 420, "the requeued submitit job resuming")
+        wait_until(lambda: "resumed from checkpoint step" in logs() or job_finished(job), 420,
+                   "the requeued submitit job resuming", story=story)
+        assert "resumed from checkpoint step" in logs(), story()
     finally:
         sh("scancel", job)
     assert "(USR2 (submitit)); checkpoint committed" in logs()
