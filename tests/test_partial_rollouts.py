@@ -19,7 +19,7 @@ from hpcrl.observe.logs import read_calls
 from hpcrl.observe.metrics import read_metrics
 from hpcrl.observe.status import read_events
 from hpcrl.ppo.config import TrainConfig
-from hpcrl.ppo.generation import SegmentedProducer
+from hpcrl.ppo.generation import SegmentedProducer, VersionThroughput
 from hpcrl.ppo.partial_rollouts import Row, absorb, continuation, rows_of, to_batch
 from hpcrl.ppo.tasks import copy_digits
 
@@ -140,6 +140,19 @@ def test_a_producers_rows_kept_by_a_checkpoint_come_back_where_they_were():
     assert (after.calls, after.drawn, after.open) == (8, 4, 5)
 
 
+def test_the_rollouts_throughput_is_said_per_version_once_its_calls_are_all_in():
+    t = VersionThroughput()
+    t.add(0, 100, 2.0)
+    t.add(0, 50, 1.0)
+    assert t.said() == {}                        # version 0 may have calls still to come
+    t.add(1, 30, 1.0)
+    t.add(3, 8, 0.5)                             # (the rollout skipped version 2)
+    assert t.said() == {"throughput/rollout_tokens_per_s": 30.0, "throughput/rollout_version": 1}   # 0 goes unsaid
+    assert t.said() == {}
+    t.add(4, 1, 1.0)
+    assert t.said() == {"throughput/rollout_tokens_per_s": 16.0, "throughput/rollout_version": 3}
+
+
 def test_an_async_run_with_partial_rollouts_resumes_its_rows(tmp_path):
     """pipeline: async, partial_rollout: continue on the copy task with long-tailed lengths, one
     token a call, a checkpoint at step 4. What it keeps are rows: responses in the making (tokens,
@@ -158,6 +171,9 @@ def test_an_async_run_with_partial_rollouts_resumes_its_rows(tmp_path):
     records = run_local(once, cfg)
     assert all(0 <= r["policy/lag"] for r in records), records
     assert all(r["rollout/versions_per_response"] >= 1 for r in records)
+    said = [(r["throughput/rollout_version"], r["throughput/rollout_tokens_per_s"]) for r in records
+            if "throughput/rollout_version" in r]
+    assert said and all(v < w for (v, _), (w, _) in zip(said, said[1:])) and all(t > 0 for _, t in said), said
     calls = [c for c in read_calls(once)["rollout"] if c["method"] == "generate_sequences"]
     assert [c["step"] for c in sorted(calls, key=lambda c: c["start"])] == list(range(1, len(calls) + 1))
 
@@ -204,4 +220,7 @@ def test_a_rollout_killed_mid_call_is_rebuilt_and_the_call_made_again(tmp_path):
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(1, total + 1))
     # another process, which the weights reached again (the route chosen anew: a weight_sync event after the first)
     assert json.loads((run / "status.json").read_text())["roles"]["rollout"]["ranks"][0]["pid"] != pid
-    assert sum(e["event"] == "weight_sync" for e in read_events(run)) >= 2
+    events = read_events(run)
+    assert sum(e["event"] == "weight_sync" for e in events) >= 2
+    assert [(e["event"], e["role"]) for e in events if e["event"] in ("rebuild", "rebuilt")] == \
+        [("rebuild", "rollout"), ("rebuilt", "rollout")]

@@ -79,6 +79,16 @@ def test_an_async_run_stays_within_its_staleness_bound_and_resumes_its_buffer_bi
     # rollout only once the one before was done, so the weights sent meanwhile came first
     assert [c["step"] for c in generated] == list(range(1, total + 1))
     assert all(a["end"] <= b["start"] for a, b in zip(generated, generated[1:])), generated
+    # the rollout's throughput per version: the version's batches' tokens over their calls' seconds as the
+    # driver saw them, which hold the rollout's own (its log) and more (batch b trained at step b here)
+    said = {r["throughput/rollout_version"]: r["throughput/rollout_tokens_per_s"] for r in records
+            if "throughput/rollout_version" in r}
+    seconds = {c["step"]: c["end"] - c["start"] for c in generated}
+    for version, rate in said.items():
+        batches = [r["step"] for r in records if r["policy/version"] == version]
+        tokens = sum(records[b - 1]["response_length/mean"] for b in batches) * cfg.data.batch_size * cfg.rollout.n_samples
+        assert 0 < rate <= tokens / sum(seconds[b] for b in batches) + 0.1, (version, rate, tokens, batches)
+    assert said and list(said) == sorted(said), said
     manifest = json.loads((once / "ckpt" / "step_00000004" / "MANIFEST.json").read_text())
     assert "inflight" in manifest, manifest
 

@@ -19,6 +19,7 @@ from hpcrl.ppo.config import TrainConfig
 from hpcrl.ppo.data import PromptDataset
 from hpcrl.ppo.episodes import Episodes
 from hpcrl.ppo.loop import prepare_inputs
+from hpcrl.ppo.partial_rollouts import absorb, continuation, rows_of, to_batch
 from hpcrl.ppo.roles import ActorRollout, Environments, Rollout
 
 CFG = TrainConfig(rollout_engine="vllm", batch_size=16, mini_batch_size=16, micro_batch_size=16, ppo_epochs=1,
@@ -124,6 +125,31 @@ def test_vllm_continues_multi_turn_episodes_as_the_torch_engine_does(groups):
     for key in ("responses", "response_mask", "attention_mask", "turn_rewards", "env/turns"):
         assert torch.equal(out["vllm"][key], out["torch"][key]), key
     assert out["vllm"]["env/turns"].max() == 3 and out["vllm"]["turn_rewards"].sum() > 0
+
+
+@pytest.mark.parametrize("segment", [1, 3])
+def test_vllm_continues_a_response_a_segment_at_a_time_as_it_generates_it_whole(groups, segment):
+    """partial_rollout: continue with the vLLM engine: greedy (the validation's temperature 0), a
+    response generated `segment` tokens a call, each call's prompts the prompts and the tokens so far
+    (the engine keeps nothing between calls), is the response of one call, token for token."""
+    _, rollout, prompts, _ = groups
+    new_tokens, pad = 10, CharTokenizer.pad_id
+
+    def call(rows, tokens, step):
+        batch = continuation(rows, pad)
+        batch.meta.update(validation=True, segment=tokens, step=step)
+        return rollout.generate_sequences(batch)
+    whole = call(rows_of(prompts), new_tokens, 1)
+    rows, calls = rows_of(prompts), 0
+    while going := [r for r in rows if not r.done]:
+        calls += 1
+        absorb(going, call(going, segment, calls), calls, new_tokens)
+    made = to_batch(rows, new_tokens, pad)
+    for key in ("responses", "response_mask", "has_eos"):
+        assert torch.equal(made[key], whole[key]), (key, made[key], whole[key])
+    # vLLM's log-probs of a token decoded, and of the same token decoded after a longer prefill
+    torch.testing.assert_close(made["rollout_log_probs"], whole["rollout_log_probs"], atol=1e-4, rtol=0)
+    assert calls == -(-int(whole["response_mask"].sum(dim=1).max()) // segment)
 
 
 VLLM_LEARNING_STEPS = 200

@@ -140,7 +140,6 @@ def test_the_group_is_formed_again_after_either_role_is_rebuilt_and_after_a_resu
     _, twice = runs
     said = [e["event"] if e["event"] != "rebuild" else f"rebuild {e['role']}" for e in read_events(twice)
             if e["event"] in ("weight_sync", "start", "rebuild", "stop", "finish")]
-    # formed at the start, after the rollout's rebuild (which is no event: the rollout has no state
-    # to take back), during the actor's, and by the resumed run before it starts
-    assert said == ["weight_sync", "start", "weight_sync", "rebuild actor_rollout", "weight_sync", "stop",
-                    "weight_sync", "start", "finish"], said
+    # formed at the start, after the rollout's rebuild, during the actor's, and by the resumed run before it starts
+    assert said == ["weight_sync", "start", "rebuild rollout", "weight_sync", "rebuild actor_rollout", "weight_sync",
+                    "stop", "weight_sync", "start", "finish"], said

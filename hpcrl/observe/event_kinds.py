@@ -47,11 +47,11 @@ EVENTS: dict[str, EventKind] = {
          "cost": "the seconds that commit held training"}),
     "rebuild": EventKind(
         "a role's process died and the role is being rebuilt (new processes, its state from its newest snapshot "
-        "or checkpoint, the calls made since replayed)",
+        "or checkpoint, the calls made since replayed; the rollout role: the actor's weights sent again)",
         {"role": "the role",
          "step": "the step in progress",
          "generating": "the steps whose batches the rollout goes on generating meanwhile (pipelined runs; "
-                       "`pipeline: async`: the buffer's batches, numbered as drawn)"}),
+                       "`pipeline: async`: the buffer's batches, numbered as drawn; [] where the rollout is the role)"}),
     "rebuilt": EventKind(
         "the role is back, with the state it had",
         {"role": "the role",

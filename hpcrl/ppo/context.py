@@ -198,8 +198,7 @@ class RunContext:
         self.snapshot_spills: list[str] | None = None    # checked at the first snapshot
         self.generating: Callable[[], list[int]] = lambda: []
         for role, wg in self.groups.items():
-            if role != "rollout":
-                wg.on_change(self._rebuild_listener(role))
+            wg.on_change(self._rebuild_listener(role))
             if wg.elastic:
                 wg.on_resize(self._resize_listener(role))
         self.committing = False      # a checkpoint is being written: a stop does not give up its calls
@@ -434,7 +433,7 @@ class RunContext:
             state = self.groups[role].describe()["state"]
             if state == "restarting" and was[0] != "restarting":
                 since[0] = time.time()
-                steps = self.generating()
+                steps = self.generating() if role != "rollout" else []
                 self.status.event("rebuild", role=role, step=self.status.doc["step"], generating=steps)
                 if steps:
                     print(f"{log_stamp()} role {role} is being rebuilt; meanwhile the rollout goes on generating "

@@ -40,6 +40,7 @@ class Generation:
     step: int
     generated: object             # GroupFuture or Batch
     scored: list                  # GroupFutures of weight-free roles on it
+    seconds: float | None = None  # from given to the rollout to generated (pipeline: async), where known
 
     def collect(self) -> Batch:
         batch = self.generated if isinstance(self.generated, Batch) else self.generated.result()
@@ -105,6 +106,31 @@ class Lookahead:
         return Generation(step, generated, [m.future(generated) for m in self.early])
 
 
+class VersionThroughput:
+    """The rollout's throughput per version of the weights (`throughput/rollout_tokens_per_s`): the response
+    tokens it sampled with each version, over the seconds of its calls with it. A version's figure is
+    said once the rollout has sampled with a newer one (its calls are then all in)."""
+
+    def __init__(self):
+        self.sampled: dict[int, list] = {}      # version -> [tokens, seconds]
+
+    def add(self, version: int, tokens: int, seconds: float) -> None:
+        counts = self.sampled.setdefault(version, [0, 0.0])
+        counts[0] += tokens
+        counts[1] += seconds
+
+    def said(self) -> dict:
+        """The newest version whose calls are all in, once (then forgotten with those before it)."""
+        over = [v for v in self.sampled if v < max(self.sampled, default=0)]
+        if not over:
+            return {}
+        version = max(over)
+        tokens, seconds = self.sampled[version]
+        self.sampled = {v: c for v, c in self.sampled.items() if v > version}
+        return {"throughput/rollout_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
+                "throughput/rollout_version": version}
+
+
 class Producer:
     """`pipeline: async`: the rollout generates one batch after another into a buffer the trainer
     takes its batches from. The driver's thread draws the prompts, `bound` batches ahead of the one
@@ -131,6 +157,8 @@ class Producer:
         self.idle = 0.0                  # seconds the rollout had nothing to generate, since the last report
         self.depth = 0                   # generated batches in the buffer when the last one was taken
         self.last_done: float | None = None
+        self.throughput = VersionThroughput()
+        self.taken: list[Generation] = []  # taken since the last measures(): their throughput said then
         self.changed = threading.Condition()
         self.closed = False
         self.thread: threading.Thread | None = None
@@ -149,6 +177,7 @@ class Producer:
         self._wait_issued(g)
         self._issue_scoring([g, *self.ahead])
         self.depth = sum(self._done(h) for h in (g, *self.ahead))
+        self.taken.append(g)
         return g
 
     def refill(self, step: int, draw: int) -> Generation:
@@ -172,10 +201,16 @@ class Producer:
         return collect
 
     def measures(self) -> dict:
-        """The buffer's metrics of the step that took its batch last (hpcrl/ppo/step_metrics.py)."""
+        """The buffer's metrics of the step that took its batch last, its batches collected
+        (hpcrl/ppo/step_metrics.py)."""
+        for g in self.taken:
+            if isinstance(g.generated, Batch) and g.seconds is not None:
+                self.throughput.add(int(g.generated.meta.get("policy_version", 0)),
+                                    int(g.generated["response_mask"].sum()), g.seconds)
+        self.taken = []
         with self.changed:
             idle, self.idle = self.idle, 0.0
-        return {"buffer/depth": self.depth, "timing/rollout_idle": round(idle, 4)}
+            return {"buffer/depth": self.depth, "timing/rollout_idle": round(idle, 4), **self.throughput.said()}
 
     def close(self) -> None:
         """Stop giving the rollout batches (the one it is generating is not waited for)."""
@@ -196,8 +231,11 @@ class Producer:
             self.waiting.append((g, prompts))
             self.changed.notify_all()
         if self.thread is None:
-            self.thread = threading.Thread(target=self._produce, name="hpcrl-producer", daemon=True)
-            self.thread.start()
+            self._start_thread()
+
+    def _start_thread(self) -> None:
+        self.thread = threading.Thread(target=self._produce, name="hpcrl-producer", daemon=True)
+        self.thread.start()
 
     def _produce(self) -> None:
         """The thread: the next drawn batch to the rollout once it has generated the one before."""
@@ -208,14 +246,16 @@ class Producer:
                 if self.closed:
                     return
                 g, prompts = self.waiting.popleft()
+                given = time.monotonic()
                 if self.last_done is not None:
-                    self.idle += time.monotonic() - self.last_done
+                    self.idle += given - self.last_done
                 g.generated = self.generate(prompts)
                 self.changed.notify_all()
             # (a rank that died answers with its error: the driver's collect rebuilds the role and asks again)
             while not self.closed and not self._done(g, timeout=1.0):
                 pass
             self.last_done = time.monotonic()
+            g.seconds = self.last_done - given
 
     def _wait_issued(self, g: Generation) -> None:
         """Until the rollout has been given `g`; once closed, given here (a checkpoint taken as the
@@ -238,10 +278,7 @@ class Producer:
 
     @staticmethod
     def _done(g: Generation, timeout: float = 0) -> bool:
-        if g.generated is None or isinstance(g.generated, Batch):
-            return g.generated is not None
-        refs = g.generated.refs
-        return len(ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)[0]) == len(refs)
+        return g.generated is not None and (isinstance(g.generated, Batch) or _answered(g.generated, timeout))
 
 
 class SegmentedProducer(Producer):
@@ -331,10 +368,6 @@ class SegmentedProducer(Producer):
         if self.thread is None and self.failed is None:
             self._start_thread()
 
-    def _start_thread(self) -> None:
-        self.thread = threading.Thread(target=self._produce, name="hpcrl-producer", daemon=True)
-        self.thread.start()
-
     def _done_row(self, row: Row) -> None:
         group = int(row.fields["group"])
         done = self.partial.setdefault(group, [])
@@ -358,8 +391,9 @@ class SegmentedProducer(Producer):
                 prompts = continuation(rows, self.pad_id)
                 prompts.meta.update(step=self.calls, segment=min(self.segment, max(self.max_new_tokens - len(r.tokens)
                                                                                    for r in rows)))
+                given = time.monotonic()
                 if self.last_done is not None:
-                    self.idle += time.monotonic() - self.last_done
+                    self.idle += given - self.last_done
                 try:
                     self.inflight = self.generate(prompts)
                 except BaseException as e:      # said by the driver's next take
@@ -367,7 +401,7 @@ class SegmentedProducer(Producer):
                     self.changed.notify_all()
                     return
             future = self.inflight
-            while not self.closed and not self._answered(future):
+            while not self.closed and not _answered(future, timeout=1.0):
                 pass
             if self.closed:
                 return
@@ -379,12 +413,17 @@ class SegmentedProducer(Producer):
                     self.changed.notify_all()
                 return
             self.last_done = time.monotonic()
-            self._absorb(rows, future.result())
+            self._absorb(rows, future.result(), self.last_done - given)
 
-    def _absorb(self, rows: list[Row], out: Batch) -> None:
-        """A call's segments into its rows; the rows done to their groups, the others back to the pool."""
+    def _absorb(self, rows: list[Row], out: Batch, seconds: float | None = None) -> None:
+        """A call's segments into its rows; the rows done to their groups, the others back to the pool.
+        `seconds`: the call's, for the throughput (None: a call made again after a rebuild, not counted)."""
         with self.changed:
-            absorb(rows, out, int(out.meta.get("policy_version", 0)), self.max_new_tokens)
+            before = sum(len(r.tokens) for r in rows)
+            version = int(out.meta.get("policy_version", 0))
+            absorb(rows, out, version, self.max_new_tokens)
+            if seconds is not None:
+                self.throughput.add(version, sum(len(r.tokens) for r in rows) - before, seconds)
             going_on = []
             for row in rows:
                 if row.done:
@@ -419,10 +458,11 @@ class SegmentedProducer(Producer):
         else:
             self.changed.wait()
 
-    @staticmethod
-    def _answered(future) -> bool:
-        refs = future.refs
-        return len(ray.wait(refs, num_returns=len(refs), timeout=1.0, fetch_local=False)[0]) == len(refs)
+
+def _answered(future, timeout: float) -> bool:
+    """Whether every rank has answered the call (its results not fetched)."""
+    refs = future.refs
+    return len(ray.wait(refs, num_returns=len(refs), timeout=timeout, fetch_local=False)[0]) == len(refs)
 
 
 def _copy(row: Row) -> Row:

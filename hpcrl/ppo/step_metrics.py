@@ -132,6 +132,13 @@ METRICS: dict[str, Metric] = {
                                   "to the end of this step; the `startup` events say where the time went"),
     "throughput/tokens_per_s": Metric("tokens/s", "prompt and response tokens of the step's batch (padding not "
                                                   "counted) per second of the step, validation not counted"),
+    "throughput/rollout_tokens_per_s": Metric("tokens/s", "`train.rollout.pipeline: async` only: the rollout's throughput "
+                                                          "with one version of the weights: the response tokens it "
+                                                          "sampled with them over the seconds of its calls with them, for "
+                                                          "the newest weights it has moved past when the step ends (so "
+                                                          "not at every step, and not every version)"),
+    "throughput/rollout_version": Metric("step", "the version `throughput/rollout_tokens_per_s` is of: the step whose "
+                                                 "update made those weights"),
 }
 
 
