@@ -210,6 +210,21 @@ def start_local(roles: list[str], run_dir: Path | None = None, num_cpus: int | N
         else:
             shutil.rmtree(temp_dir, ignore_errors=True)
     atexit.register(stop)
-    return ray.init(address="local", num_cpus=num_cpus, resources=json.loads(node_resources(roles)),
-                    labels={"hpcrl.node": "local", **{f"hpcrl.role.{r}": "1" for r in roles}},
-                    include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir / "ray"), **init_kwargs)
+    context = ray.init(address="local", num_cpus=num_cpus, resources=json.loads(node_resources(roles)),
+                       labels={"hpcrl.node": "local", **{f"hpcrl.role.{r}": "1" for r in roles}},
+                       include_dashboard=False, log_to_driver=False, _temp_dir=str(temp_dir / "ray"), **init_kwargs)
+    _stop_autoscaler_monitor()
+    return context
+
+
+def _stop_autoscaler_monitor() -> None:
+    """ray.init starts the autoscaler's monitor, of no use to one fixed node (a job's nodes start with
+    `ray start --no-monitor`): stopped now, it takes no core while the roles start, and Ray's shutdown
+    no longer waits out its second of grace (of a two-step local run's 9.5 s). Where a Ray release has
+    moved these internals, the monitor stays."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    for info in getattr(node, "all_processes", {}).pop("monitor", []):
+        info.process.kill()
+        info.process.wait()
