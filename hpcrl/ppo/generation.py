@@ -108,8 +108,7 @@ class Lookahead:
 
 class VersionThroughput:
     """The rollout's throughput per version of the weights (`throughput/rollout_tokens_per_s`): the response
-    tokens it sampled with each version, over the seconds of its calls with it. A version's figure is
-    said once the rollout has sampled with a newer one (its calls are then all in)."""
+    tokens it sampled with the newest version it has used, over the seconds of its calls with it so far."""
 
     def __init__(self):
         self.sampled: dict[int, list] = {}      # version -> [tokens, seconds]
@@ -120,13 +119,12 @@ class VersionThroughput:
         counts[1] += seconds
 
     def said(self) -> dict:
-        """The newest version whose calls are all in, once (then forgotten with those before it)."""
-        over = [v for v in self.sampled if v < max(self.sampled, default=0)]
-        if not over:
+        """The newest version's figure so far (its calls may go on); the older versions forgotten."""
+        if not self.sampled:
             return {}
-        version = max(over)
+        version = max(self.sampled)
+        self.sampled = {version: self.sampled[version]}
         tokens, seconds = self.sampled[version]
-        self.sampled = {v: c for v, c in self.sampled.items() if v > version}
         return {"throughput/rollout_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else None,
                 "throughput/rollout_version": version}
 

@@ -133,10 +133,10 @@ METRICS: dict[str, Metric] = {
     "throughput/tokens_per_s": Metric("tokens/s", "prompt and response tokens of the step's batch (padding not "
                                                   "counted) per second of the step, validation not counted"),
     "throughput/rollout_tokens_per_s": Metric("tokens/s", "`train.rollout.pipeline: async` only: the rollout's throughput "
-                                                          "with one version of the weights: the response tokens it "
-                                                          "sampled with them over the seconds of its calls with them, for "
-                                                          "the newest weights it has moved past when the step ends (so "
-                                                          "not at every step, and not every version)"),
+                                                          "with the newest version of the weights it has sampled with: the "
+                                                          "response tokens it sampled with them over the seconds of its "
+                                                          "calls with them, so far (the records of one version follow "
+                                                          "its figure as its calls come in)"),
     "throughput/rollout_version": Metric("step", "the version `throughput/rollout_tokens_per_s` is of: the step whose "
                                                  "update made those weights"),
 }
