@@ -83,7 +83,7 @@ def test_a_segment_past_the_budget_is_cut_and_its_stop_token_with_it():
     out = Batch({"responses": torch.tensor([[4, 5, stop], [7, stop, TOK.pad_id]]),
                  "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]), "has_eos": torch.tensor([True, True]),
                  "rollout_log_probs": torch.tensor([[-0.5, -0.25, -0.125], [-2.0, -3.0, 0.0]])})
-    absorb(rows, out, 7, max_new_tokens=5)
+    assert absorb(rows, out, 7, max_new_tokens=5) == 2 + 2     # 2 of the first row's 3, the second's 2
     assert (rows[0].tokens, rows[0].versions, rows[0].eos, rows[0].done) == ([1, 2, 3, 4, 5], [0, 0, 0, 7, 7], False, True)
     assert (rows[1].tokens, rows[1].logps, rows[1].eos, rows[1].done) == ([7, stop], [-2.0, -3.0], True, True)
     made = to_batch(rows, 5, TOK.pad_id)

@@ -417,11 +417,10 @@ class SegmentedProducer(Producer):
         """A call's segments into its rows; the rows done to their groups, the others back to the pool.
         `seconds`: the call's, for the throughput (None: a call made again after a rebuild, not counted)."""
         with self.changed:
-            before = sum(len(r.tokens) for r in rows)
             version = int(out.meta.get("policy_version", 0))
-            absorb(rows, out, version, self.max_new_tokens)
+            added = absorb(rows, out, version, self.max_new_tokens)
             if seconds is not None:
-                self.throughput.add(version, sum(len(r.tokens) for r in rows) - before, seconds)
+                self.throughput.add(version, added, seconds)
             going_on = []
             for row in rows:
                 if row.done:

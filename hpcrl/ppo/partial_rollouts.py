@@ -63,21 +63,24 @@ def continuation(rows: list[Row], pad_id: int) -> Batch:
     return left_padded([r.prompt + r.tokens for r in rows], pad_id)
 
 
-def absorb(rows: list[Row], out: Batch, version: int, max_new_tokens: int) -> None:
+def absorb(rows: list[Row], out: Batch, version: int, max_new_tokens: int) -> int:
     """Add a call's segment to each of its rows (in the order `continuation` gave them): its tokens
     up to the row's budget of max_new_tokens, each with `version`; a row is done at its stop token
-    or at the budget."""
+    or at the budget. Returns the number of tokens added."""
     # as lists once: the driver's thread does this between two calls of the rollout, which waits meanwhile
     lengths, eos = out["response_mask"].sum(dim=1).tolist(), out["has_eos"].tolist()
     tokens, logps = out["responses"].tolist(), out["rollout_log_probs"].tolist()
+    added = 0
     for i, row in enumerate(rows):
         n = min(lengths[i], max_new_tokens - len(row.tokens))
+        added += n
         row.tokens += tokens[i][:n]
         row.logps += logps[i][:n]
         row.versions += [version] * n
         # the segment's stop token is its last one; cut at the budget, it is not there
         row.eos = eos[i] and n == lengths[i]
         row.done = row.eos or len(row.tokens) >= max_new_tokens
+    return added
 
 
 def to_batch(rows: list[Row], max_new_tokens: int, pad_id: int, meta: dict | None = None) -> Batch:

@@ -220,8 +220,8 @@ def start_local(roles: list[str], run_dir: Path | None = None, num_cpus: int | N
 def _stop_autoscaler_monitor() -> None:
     """ray.init starts the autoscaler's monitor, of no use to one fixed node (a job's nodes start with
     `ray start --no-monitor`): stopped now, it takes no core while the roles start, and Ray's shutdown
-    no longer waits out its second of grace (of a two-step local run's 9.5 s). Where a Ray release has
-    moved these internals, the monitor stays."""
+    no longer waits out its second of grace (a two-step local run: 10.1 -> 9.1 s,
+    bench/startup_monitor.json). Where a Ray release has moved these internals, the monitor stays."""
     import ray
 
     node = getattr(ray._private.worker, "_global_node", None)
